@@ -1,0 +1,1 @@
+"""Datasets in the Medical Segmentation Decathlon layout, patch sampling, augmentation, synthetic data."""

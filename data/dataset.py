@@ -1,0 +1,81 @@
+"""The training dataset: an epoch of random augmented patches, sharded over ranks by DistributedSampler.
+
+Each sample draws from its own generator seeded by (seed, epoch, index). The sampler hands every rank
+disjoint indices and every DataLoader worker disjoint batches, so no two ranks or workers draw the same
+patches, and a sample is the same whatever the number of ranks or workers (which makes runs repeatable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+from data.augment import augment
+from data.patches import PreparedCase, sample_patch
+
+
+class PatchDataset(Dataset):
+    """`samples_per_epoch` patches per epoch, cycling through the cases in a shuffled order.
+
+    Args:
+        cases: the prepared training cases.
+        patch_size: (X, Y, Z) of every patch.
+        samples_per_epoch: the epoch's length, independent of the number of cases.
+        fg_fraction: share of patches centred on a foreground voxel (nnU-Net: one third).
+        seed: base seed of every sample's generator.
+        augment: whether to apply `data.augment.augment`.
+
+    Items are addressed by (epoch, index) as `EpochSampler` yields them (a bare index means epoch 0)
+    and are (image (C, *patch_size) float32, label (*patch_size) uint8) tensors.
+    """
+
+    def __init__(
+        self,
+        cases: Sequence[PreparedCase],
+        patch_size: Sequence[int],
+        samples_per_epoch: int,
+        fg_fraction: float = 1 / 3,
+        seed: int = 0,
+        augment: bool = True,
+    ) -> None:
+        if not cases:
+            raise ValueError("PatchDataset needs at least one case")
+        if not 0 <= fg_fraction <= 1:
+            raise ValueError(f"fg_fraction must be in [0, 1], got {fg_fraction}")
+        self.cases = list(cases)
+        self.patch_size = tuple(int(p) for p in patch_size)
+        self.samples_per_epoch = int(samples_per_epoch)
+        self.fg_fraction = fg_fraction
+        self.seed = seed
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return self.samples_per_epoch
+
+    def plan(self, epoch: int, index: int) -> tuple[int, bool, np.random.Generator]:
+        """(case index, whether the patch is centred on foreground, generator) of one sample."""
+        rng = np.random.default_rng([self.seed, epoch, index])
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.cases))
+        return int(order[index % len(self.cases)]), bool(rng.random() < self.fg_fraction), rng
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        case_idx, force_fg, rng = self.plan(epoch, index)
+        image, label = sample_patch(self.cases[case_idx], self.patch_size, rng, force_fg)
+        if self.augment:
+            image, label = augment(image, label, rng)
+        return torch.from_numpy(image), torch.from_numpy(label)
+
+
+class EpochSampler(DistributedSampler):
+    """torch's DistributedSampler, yielding (epoch, index) so a sample's randomness follows its epoch.
+
+    Call `set_epoch(epoch)` before every epoch, as with DistributedSampler: the shuffle order changes
+    with it, and persistent DataLoader workers learn the epoch from the keys they receive.
+    """
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        return ((self.epoch, int(i)) for i in super().__iter__())

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Launch train_ddp.py with torchrun on exactly the GPUs named (physical ids, as nvidia-smi shows them),
+# or on the CPU. See `bash launch.sh --help`.
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+Usage: bash launch.sh GPU_IDS|cpu[:N] [train_ddp.py options]
+
+  GPU_IDS   comma-separated physical GPU indices as `nvidia-smi -L` lists them, e.g. 5,6,7.
+            The launcher exports CUDA_DEVICE_ORDER=PCI_BUS_ID and CUDA_VISIBLE_DEVICES=5,6,7 before
+            Python starts and runs one process per GPU; inside, rank i uses cuda:i (5 -> cuda:0,
+            6 -> cuda:1, 7 -> cuda:2), so no process ever touches another card.
+  cpu[:N]   N processes on the CPU with the gloo backend (default 2), OMP_NUM_THREADS set to share
+            the cores among them.
+
+Every other argument goes to train_ddp.py unchanged; `python train_ddp.py --help` lists them.
+
+Environment: OMP_NUM_THREADS (threads per process; default: CPUs / processes), TORCHRUN (the torchrun
+command; default: torchrun, else python3 -m torch.distributed.run).
+EOF
+}
+
+die() {
+  echo "launch.sh: $*" >&2
+  exit 2
+}
+
+if [[ $# -lt 1 ]]; then
+  usage >&2
+  exit 2
+fi
+case "$1" in
+  -h | --help)
+    usage
+    exit 0
+    ;;
+esac
+
+spec=$1
+shift
+
+if [[ -n ${TORCHRUN:-} ]]; then
+  read -r -a torchrun <<<"$TORCHRUN"
+elif command -v torchrun >/dev/null 2>&1; then
+  torchrun=(torchrun)
+else
+  torchrun=(python3 -m torch.distributed.run)
+fi
+cpus=$(nproc)
+
+if [[ $spec =~ ^cpu(:(.*))?$ ]]; then
+  nproc_per_node=${BASH_REMATCH[2]:-2}
+  [[ $nproc_per_node =~ ^[0-9]+$ && $nproc_per_node -ge 1 ]] ||
+    die "cpu:N needs a positive number of processes, got '$nproc_per_node'"
+  export CUDA_VISIBLE_DEVICES=""  # hide every GPU: the ranks use gloo on the CPU
+  threads=$((cpus / nproc_per_node))
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
+  echo "launch.sh: $nproc_per_node CPU process(es), gloo backend, OMP_NUM_THREADS=$OMP_NUM_THREADS"
+  for ((i = 0; i < nproc_per_node; i++)); do
+    echo "  rank $i -> cpu"
+  done
+else
+  [[ -n $spec ]] || die "empty GPU list; give ids like 5,6,7 or cpu[:N]"
+  [[ $spec != -* || $spec =~ ^-[0-9] ]] || die "the first argument must be GPU ids or cpu[:N], got option '$spec'"
+  IFS=, read -r -a ids <<<"$spec,"
+  [[ ${#ids[@]} -ge 1 ]] || die "empty GPU list '$spec'"
+  declare -A seen=()
+  for id in "${ids[@]}"; do
+    [[ -n $id ]] || die "empty entry in GPU list '$spec'"
+    [[ $id =~ ^-[0-9]+$ ]] && die "negative GPU id '$id' in '$spec'"
+    [[ $id =~ ^[0-9]+$ ]] || die "GPU id '$id' in '$spec' is not a number"
+    [[ -z ${seen[$id]:-} ]] || die "GPU id $id appears twice in '$spec'"
+    seen[$id]=1
+  done
+  command -v nvidia-smi >/dev/null 2>&1 || die "nvidia-smi not found: no NVIDIA driver? Use 'cpu' to train on the CPU"
+  listing=$(nvidia-smi -L 2>/dev/null) || die "nvidia-smi -L failed; is the NVIDIA driver loaded?"
+  mapfile -t gpus < <(grep -E '^GPU [0-9]+:' <<<"$listing" || true)
+  for id in "${ids[@]}"; do
+    ((10#$id < ${#gpus[@]})) || die "GPU id $id is not below the ${#gpus[@]} GPU(s) that nvidia-smi -L lists"
+  done
+  nproc_per_node=${#ids[@]}
+  export CUDA_DEVICE_ORDER=PCI_BUS_ID  # CUDA numbers GPUs as nvidia-smi does
+  export CUDA_VISIBLE_DEVICES=$spec
+  threads=$((cpus / nproc_per_node))
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
+  echo "launch.sh: CUDA_DEVICE_ORDER=$CUDA_DEVICE_ORDER CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES, $nproc_per_node process(es), nccl backend"
+  for i in "${!ids[@]}"; do
+    line=${gpus[$((10#${ids[$i]}))]}
+    echo "  rank $i -> cuda:$i -> physical GPU ${ids[$i]}: ${line#GPU *: }"
+  done
+fi
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+exec "${torchrun[@]}" --standalone --nproc-per-node "$nproc_per_node" "$here/train_ddp.py" "$@"

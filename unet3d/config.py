@@ -1,0 +1,189 @@
+"""The training configuration: one validated dataclass, the command line built from its fields.
+
+Fields left at None take a default that depends on where the run happens (GPU or CPU) and on the data;
+`resolve` fills them in and the resolved configuration is printed at start and stored in checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+CHOICES = {
+    "optimizer": ("sgd", "adamw"),
+    "loss": ("dice", "dice_ce"),
+    "amp": ("auto", "bf16", "fp16", "off"),
+}
+
+# Defaults by device type. GPUs get nnU-Net's 3d_fullres width and a large patch; the CPU defaults are
+# sized so that the quick start learns the synthetic task in a few minutes on two cores.
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cuda": {
+        "features": (32, 64, 128, 256, 320),
+        "patch_size": (128, 128, 128),
+        "epochs": 1000,
+        "samples_per_epoch": 500,
+    },
+    "cpu": {"features": (8, 16, 32, 64), "patch_size": (48, 48, 32), "epochs": 12, "samples_per_epoch": 48},
+}
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    data_dir: str | None = _f(None, "dataset folder in the MSD layout; default: generate the synthetic dataset")
+    out_dir: str = _f("runs/default", "run folder: checkpoints/, tensorboard/; a restarted job finds its own here")
+    synthetic_dir: str = _f("runs/synthetic", "where the synthetic dataset is written (once) and reused")
+    synthetic_cases: int = _f(24, "number of synthetic training cases")
+    synthetic_size: int = _f(64, "in-plane size of the synthetic volumes, in voxels")
+    cache_dir: str | None = _f(None, "preprocessing cache (default: runs/cache/<dataset>-<hash>), reused across runs")
+    val_fraction: float = _f(0.2, "share of the training list held out for validation")
+    seed: int = _f(0, "seed of the split, the initial weights and every random patch")
+    patch_size: tuple[int, ...] | None = _f(
+        None, "training patch: one int or three (default: by device and data)", nargs="+"
+    )
+    features: tuple[int, ...] | None = _f(
+        None, "channels per U-Net level, finest first (default: by device)", nargs="+"
+    )
+    batch_size: int = _f(2, "patches per step per process (the global batch is this times the world size)")
+    epochs: int | None = _f(None, "number of epochs (default: by device)")
+    samples_per_epoch: int | None = _f(
+        None,
+        "patches per epoch over all ranks (default: by device); "
+        "rounded up to a multiple of batch size times world size",
+    )
+    optimizer: str = _f("sgd", "sgd (Nesterov momentum 0.99, poly decay, as nnU-Net) or adamw (warmup, cosine)")
+    lr: float | None = _f(None, "peak learning rate (default: 0.01 for sgd, 1e-3 for adamw)")
+    weight_decay: float = _f(3e-5, "weight decay")
+    loss: str = _f("dice_ce", "dice or dice_ce (soft Dice plus cross-entropy)")
+    amp: str = _f(
+        "auto", "mixed precision: auto (bf16 on GPUs that support it, fp16 on older ones, off on CPU), bf16, fp16, off"
+    )
+    fg_fraction: float = _f(1 / 3, "share of patches centred on a foreground voxel")
+    val_every: int = _f(1, "validate every this many epochs (and after the last)")
+    val_overlap: float = _f(0.5, "sliding-window overlap during validation")
+    num_workers: int | None = _f(None, "DataLoader workers per process (default: from CPUs per local rank)")
+    resume: str = _f("auto", "auto (OUT/checkpoints/last.pt if it exists), none, or a checkpoint path")
+
+    def __post_init__(self) -> None:
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.patch_size is not None:
+            self.patch_size = _triple(self.patch_size, "patch_size")
+        if self.features is not None:
+            self.features = tuple(int(f) for f in self.features)
+            if len(self.features) < 2 or min(self.features) < 1:
+                raise ValueError(f"--features needs at least two positive ints, got {self.features}")
+        positive = ["batch_size", "val_every", "synthetic_cases", "synthetic_size", "epochs", "samples_per_epoch"]
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if not 0 <= self.fg_fraction <= 1:
+            raise ValueError(f"--fg-fraction must be in [0, 1], got {self.fg_fraction}")
+        if not 0 <= self.val_overlap < 1:
+            raise ValueError(f"--val-overlap must be in [0, 1), got {self.val_overlap}")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
+
+
+def _triple(value: int | Sequence[int], name: str) -> tuple[int, int, int]:
+    values = (value,) if isinstance(value, int) else tuple(value)
+    if len(values) == 1:
+        values = values * 3
+    if len(values) != 3 or min(values) < 1:
+        raise ValueError(f"--{name.replace('_', '-')} takes one positive int or three, got {value}")
+    return tuple(int(v) for v in values)
+
+
+def default_num_workers(cpu_count: int, local_world_size: int) -> int:
+    """DataLoader workers per rank: the rank's share of the CPUs less one for the training loop, 1..12."""
+    return max(1, min(12, cpu_count // max(local_world_size, 1) - 1))
+
+
+def resolve(
+    cfg: TrainConfig,
+    device_type: str,
+    world_size: int,
+    median_shape: Sequence[int],
+    cpu_count: int,
+    local_world_size: int,
+) -> TrainConfig:
+    """A copy of `cfg` with every None replaced by its default for this device, world and dataset.
+
+    The default patch is the device's patch, shrunk to the dataset's median volume shape (rounded up
+    to what the U-Net accepts) so small volumes aren't mostly padding.
+    """
+    defaults = DEVICE_DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
+    features = cfg.features or defaults["features"]
+    divisor = 2 ** (len(features) - 1)
+    if cfg.patch_size is None:
+        patch = tuple(min(p, math.ceil(s / divisor) * divisor) for p, s in zip(defaults["patch_size"], median_shape))
+    else:
+        patch = cfg.patch_size
+    bad = [p for p in patch if p % divisor]
+    if bad:
+        raise ValueError(
+            f"--patch-size {patch}: every size must be divisible by {divisor} "
+            f"(2 ** (levels - 1) for {len(features)} U-Net levels)"
+        )
+    step = cfg.batch_size * world_size
+    samples = cfg.samples_per_epoch or defaults["samples_per_epoch"]
+    return dataclasses.replace(
+        cfg,
+        features=tuple(features),
+        patch_size=tuple(patch),
+        epochs=cfg.epochs or defaults["epochs"],
+        samples_per_epoch=math.ceil(samples / step) * step,
+        lr=cfg.lr or (0.01 if cfg.optimizer == "sgd" else 1e-3),
+        num_workers=cfg.num_workers
+        if cfg.num_workers is not None
+        else default_num_workers(cpu_count, local_world_size),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse parser with one --option per TrainConfig field."""
+    parser = argparse.ArgumentParser(
+        description="Train a 3D U-Net with DistributedDataParallel (run under torchrun, or alone).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    for f in dataclasses.fields(TrainConfig):
+        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata["help"]}
+        hint = str(hints[f.name])
+        if "nargs" in f.metadata:
+            kwargs.update(nargs=f.metadata["nargs"], type=int, metavar="N")
+        elif f.name in CHOICES:
+            kwargs["choices"] = CHOICES[f.name]
+        elif hint.startswith("int"):
+            kwargs["type"] = int
+        elif hint.startswith("float"):
+            kwargs["type"] = float
+        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    """Command line -> validated TrainConfig; a bad value exits with argparse's usage error (code 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return TrainConfig(**vars(args))
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # parser.error exits; this keeps type checkers content

@@ -1,0 +1,162 @@
+"""Distributed state in one place: set-up, rank accessors and the few collectives the trainer uses.
+
+Every accessor falls back to single-process values when no process group exists, so the same code runs
+under torchrun and as a plain `python train_ddp.py`. Global RANK decides who writes files; LOCAL_RANK
+only picks the device. The launcher has already masked CUDA_VISIBLE_DEVICES, so local rank i binds to
+the logical device cuda:i, whatever physical GPU that is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands in the job."""
+
+    rank: int  # global rank: decides who writes files
+    local_rank: int  # rank on this node: picks the device
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from e
+
+
+def read_env() -> tuple[int, int, int, int]:
+    """(rank, local_rank, world_size, local_world_size) from torchrun's environment, else one process."""
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if not (0 <= rank < world_size and 0 <= local_rank < local_world_size <= world_size):
+        raise ValueError(
+            f"inconsistent torchrun environment: RANK={rank} LOCAL_RANK={local_rank} "
+            f"WORLD_SIZE={world_size} LOCAL_WORLD_SIZE={local_world_size}"
+        )
+    return rank, local_rank, world_size, local_world_size
+
+
+def setup(timeout: timedelta | None = None) -> DistInfo:
+    """Bind this process to its device, then create the process group (nccl on GPUs, else gloo).
+
+    The device is bound before the process group exists and before any CUDA work, so no rank ever
+    creates a context on a GPU other than its own.
+    """
+    rank, local_rank, world_size, local_world_size = read_env()
+    if torch.cuda.is_available():
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} but only {visible} GPU(s) are visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if world_size > 1:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    return DistInfo(rank, local_rank, world_size, local_world_size, device)
+
+
+def cleanup() -> None:
+    """Destroy the process group if there is one; safe to call in `finally`."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_dist() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_dist() else 1
+
+
+def is_main() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank; on nccl the barrier names this rank's device so it touches no other GPU."""
+    if not is_dist():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over ranks in place (a no-op alone) and return it."""
+    if is_dist():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s `obj` on every rank (picklable objects only)."""
+    if not is_dist():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order."""
+    if not is_dist():
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def run_on_main(fn: Callable[[], T]) -> T:
+    """Run `fn` on rank 0 only and hand its result, or its failure, to every rank.
+
+    The other ranks wait in a broadcast rather than a barrier, so when rank 0 fails they raise the
+    same error at once instead of hanging until the collective times out.
+    """
+    result: tuple[bool, Any] = (True, None)
+    error: Exception | None = None
+    if is_main():
+        try:
+            result = (True, fn())
+        except Exception as e:  # handed to every rank, re-raised below
+            error = e
+            result = (False, f"{type(e).__name__}: {e}")
+    ok, value = broadcast_object(result)
+    if error is not None:
+        raise error
+    if not ok:
+        raise RuntimeError(f"rank 0 failed: {value}")
+    return value

@@ -1,0 +1,105 @@
+"""Sliding-window inference over whole volumes with Gaussian importance weighting (as nnU-Net)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+
+def window_starts(size: int, window: int, overlap: float) -> list[int]:
+    """Evenly spaced window starts along one axis, the first at 0 and the last at size - window.
+
+    Neighbouring windows overlap by at least `overlap` of the window. `size` >= `window`.
+    """
+    if size <= window:
+        return [0]
+    step = window * (1 - overlap)
+    n = math.ceil((size - window) / step) + 1
+    return [round(i * (size - window) / (n - 1)) for i in range(n)]
+
+
+@lru_cache(maxsize=8)
+def _gaussian_cpu(window: tuple[int, ...], sigma_scale: float) -> torch.Tensor:
+    axes = []
+    for w in window:
+        x = torch.arange(w, dtype=torch.float64) - (w - 1) / 2
+        axes.append(torch.exp(-0.5 * (x / (w * sigma_scale)) ** 2))
+    g = axes[0][:, None, None] * axes[1][None, :, None] * axes[2][None, None, :]
+    return (g / g.max()).to(torch.float32).clamp_min(1e-3)
+
+
+def gaussian_weight(window: Sequence[int], sigma_scale: float = 0.125, device: torch.device | None = None):
+    """Importance map (*window): a Gaussian with sigma = window * sigma_scale, peak 1, floor 1e-3.
+
+    Voxels near a window's border, which see less context, count less where windows overlap.
+    """
+    return _gaussian_cpu(tuple(int(w) for w in window), sigma_scale).to(device)
+
+
+@torch.no_grad()
+def sliding_window_inference(
+    model: nn.Module,
+    image: torch.Tensor,
+    window: Sequence[int],
+    overlap: float = 0.5,
+    sw_batch_size: int = 2,
+    amp_dtype: torch.dtype | None = None,
+    gaussian: bool = True,
+) -> torch.Tensor:
+    """Logits of a whole volume, stitched from overlapping windows.
+
+    Args:
+        model: maps (B, C, *window) to (B, K, *window); called in its current mode (use eval()).
+        image: (C, X, Y, Z) on the model's device; any size, padded internally when smaller than the window.
+        window: window size (X, Y, Z), each a size the model accepts.
+        overlap: fraction of a window shared with its neighbour, in [0, 1).
+        sw_batch_size: windows per forward pass.
+        amp_dtype: autocast dtype, or None for full precision.
+        gaussian: weight windows by `gaussian_weight` (else uniformly).
+
+    Returns:
+        (K, X, Y, Z) float32 logits on the image's device.
+    """
+    if not 0 <= overlap < 1:
+        raise ValueError(f"overlap must be in [0, 1), got {overlap}")
+    if image.ndim != 4:
+        raise ValueError(f"expected an image (C, X, Y, Z), got shape {tuple(image.shape)}")
+    window = tuple(int(w) for w in window)
+    size = tuple(image.shape[1:])
+    pad = [max(w - s, 0) for w, s in zip(window, size)]
+    if any(pad):
+        # F.pad takes (last axis first) pairs; pad symmetrically with 0, the normalised mean
+        pairs = [(p // 2, p - p // 2) for p in pad]
+        image = nn.functional.pad(image, [v for pair in reversed(pairs) for v in pair])
+    padded = tuple(image.shape[1:])
+    starts = [
+        (x, y, z)
+        for x in window_starts(padded[0], window[0], overlap)
+        for y in window_starts(padded[1], window[1], overlap)
+        for z in window_starts(padded[2], window[2], overlap)
+    ]
+    device = image.device
+    weight = gaussian_weight(window, device=device) if gaussian else torch.ones(window, device=device)
+    logits: torch.Tensor | None = None
+    norm = torch.zeros(padded, device=device)
+    for i in range(0, len(starts), sw_batch_size):
+        chunk = starts[i : i + sw_batch_size]
+        slices = [tuple(slice(s, s + w) for s, w in zip(start, window)) for start in chunk]
+        batch = torch.stack([image[(slice(None),) + sl] for sl in slices])  # (b, C, *window)
+        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            out = model(batch).float()  # (b, K, *window)
+        if logits is None:
+            logits = torch.zeros((out.shape[1],) + padded, device=device)
+        for sl, o in zip(slices, out):
+            logits[(slice(None),) + sl] += o * weight
+            norm[sl] += weight
+    assert logits is not None
+    logits /= norm
+    if any(pad):
+        crop = tuple(slice(p // 2, p // 2 + s) for p, s in zip(pad, size))
+        logits = logits[(slice(None),) + crop]
+    return logits

@@ -1,0 +1,74 @@
+"""Soft Dice and Dice + cross-entropy losses for multi-class 3D segmentation."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class DiceLoss(nn.Module):
+    """1 - soft Dice over softmax probabilities, per case and class, averaged.
+
+    Dice is computed per case (not over the whole batch) so that the loss of a batch is the mean of its
+    cases' losses: DDP's gradient averaging over ranks then equals one process seeing the whole batch.
+    The smoothing term in numerator and denominator makes a class that is absent from a case and
+    not predicted there score Dice 1 (loss 0) instead of 0/0.
+
+    Args:
+        include_background: whether class 0 takes part in the mean (nnU-Net leaves it out).
+        smooth: added to numerator and denominator.
+    """
+
+    def __init__(self, include_background: bool = False, smooth: float = 1.0) -> None:
+        super().__init__()
+        if smooth <= 0:
+            raise ValueError(f"smooth must be > 0, got {smooth}")
+        self.include_background = include_background
+        self.smooth = smooth
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Args:
+            logits: (B, C, D, H, W) raw scores.
+            target: (B, D, H, W) integer labels in [0, C).
+
+        Returns:
+            scalar loss in [0, 1].
+        """
+        num_classes = logits.shape[1]
+        if not self.include_background and num_classes < 2:
+            raise ValueError("without background the loss needs at least 2 classes")
+        probs = torch.softmax(logits.float(), dim=1)
+        onehot = F.one_hot(target.long(), num_classes).movedim(-1, 1).to(probs.dtype)  # (B, C, D, H, W)
+        dims = tuple(range(2, logits.ndim))
+        intersection = (probs * onehot).sum(dims)  # (B, C)
+        denominator = probs.sum(dims) + onehot.sum(dims)
+        dice = (2 * intersection + self.smooth) / (denominator + self.smooth)
+        if not self.include_background:
+            dice = dice[:, 1:]
+        return 1 - dice.mean()
+
+
+class DiceCELoss(nn.Module):
+    """Soft Dice loss plus voxel-wise cross-entropy, weighted equally (as nnU-Net trains).
+
+    Args:
+        include_background: passed to DiceLoss.
+        smooth: passed to DiceLoss.
+    """
+
+    def __init__(self, include_background: bool = False, smooth: float = 1.0) -> None:
+        super().__init__()
+        self.dice = DiceLoss(include_background=include_background, smooth=smooth)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """logits (B, C, D, H, W), target (B, D, H, W) -> scalar loss."""
+        return self.dice(logits, target) + F.cross_entropy(logits.float(), target.long())
+
+
+def build_loss(name: str) -> nn.Module:
+    """`dice` or `dice_ce` -> the loss module."""
+    losses = {"dice": DiceLoss, "dice_ce": DiceCELoss}
+    if name not in losses:
+        raise ValueError(f"unknown loss {name!r}; choose one of {sorted(losses)}")
+    return losses[name]()

@@ -1,0 +1,80 @@
+"""Validation with every rank taking part: each scores its own cases, one all_reduce combines them.
+
+The mean Dice is defined as in evaluate.py: per foreground class, the mean over cases of that case's
+Dice; then the mean over classes. Ranks sum their cases' Dice and count their cases per class, and a
+single all_reduce of those sums gives exactly the single-process number, whatever the number of ranks
+and with no case counted twice (no sampler padding). Each rank runs the unwrapped model, never the DDP
+wrapper, so no rank waits on another's forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from unet3d import dist
+from unet3d.inference import sliding_window_inference
+from unet3d.metrics import confusion_counts, dice_from_counts
+
+
+def shard(items: Sequence, rank: int, world_size: int) -> list:
+    """This rank's share of `items`: items[rank::world_size], no padding, every item exactly once."""
+    return list(items)[rank::world_size]
+
+
+@torch.no_grad()
+def predict_case(
+    model: nn.Module,
+    image: np.ndarray | torch.Tensor,
+    window: Sequence[int],
+    device: torch.device,
+    overlap: float = 0.5,
+    sw_batch_size: int = 2,
+    amp_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Label map (X, Y, Z) int64 of a normalised image (C, X, Y, Z), on `device`."""
+    was_training = model.training
+    model.eval()
+    try:
+        x = torch.from_numpy(np.array(image, dtype=np.float32)).to(device)  # a copy: memory maps are read-only
+        logits = sliding_window_inference(model, x, window, overlap, sw_batch_size, amp_dtype)
+        return logits.argmax(0)
+    finally:
+        model.train(was_training)
+
+
+def validate(
+    model: nn.Module,
+    cases: Iterable[tuple[np.ndarray, np.ndarray]],
+    num_classes: int,
+    window: Sequence[int],
+    device: torch.device,
+    overlap: float = 0.5,
+    sw_batch_size: int = 2,
+    amp_dtype: torch.dtype | None = None,
+) -> tuple[np.ndarray, float]:
+    """Per-class and mean Dice over every rank's validation cases. Every rank must call this.
+
+    Args:
+        model: the unwrapped model (not the DDP wrapper).
+        cases: this rank's (image (C, X, Y, Z), label (X, Y, Z)) pairs; may be empty.
+
+    Returns:
+        (K - 1,) mean Dice per foreground class over all ranks' cases, and their mean.
+    """
+    sums = torch.zeros(num_classes, dtype=torch.float64, device=device)
+    count = torch.zeros(1, dtype=torch.float64, device=device)
+    for image, label in cases:
+        pred = predict_case(model, image, window, device, overlap, sw_batch_size, amp_dtype)
+        ref = torch.from_numpy(np.array(label)).to(device)
+        sums += dice_from_counts(confusion_counts(pred, ref, num_classes))
+        count += 1
+    totals = dist.all_reduce_sum(torch.cat([sums, count]))  # one collective, outside the case loop
+    n = totals[-1].item()
+    if n == 0:
+        raise ValueError("validation has no cases")
+    per_class = (totals[1:num_classes] / n).cpu().numpy()
+    return per_class, float(per_class.mean())
