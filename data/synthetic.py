@@ -37,16 +37,16 @@ def generate_case(rng: np.random.Generator, shape: tuple[int, int, int]) -> tupl
     body = _ellipsoid(grid, size / 2 + rng.normal(0, 1, 3), size * rng.uniform(0.42, 0.48, 3))
     image[body] = 100.0
     for _ in range(rng.integers(1, 3)):
-        radii = size * rng.uniform(0.12, 0.2, 3)
+        radii = size * rng.uniform(0.14, 0.22, 3)
         centre = size * rng.uniform(0.3, 0.7, 3)
         organ = _ellipsoid(grid, centre, radii) & body
         label[organ] = 1
         image[organ] = 150.0
         if rng.random() < 0.8:
-            lesion = _ellipsoid(grid, centre + rng.normal(0, 0.25, 3) * radii, radii * rng.uniform(0.3, 0.5))
+            lesion = _ellipsoid(grid, centre + rng.normal(0, 0.2, 3) * radii, radii * rng.uniform(0.4, 0.65))
             lesion &= organ
             label[lesion] = 2
-            image[lesion] = 80.0
+            image[lesion] = 40.0
     # A bright tube through the body, as bright as an organ but unlabelled: intensity alone won't do.
     axis, (a, b) = rng.integers(3), rng.uniform(0.3, 0.7, 2) * size[:2]
     others = [g for i, g in enumerate(grid) if i != axis]

@@ -1,0 +1,300 @@
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from data.augment import augment
+from data.cache import build_cache, is_fresh, open_case
+from data.dataset import EpochSampler, PatchDataset
+from data.msd import load_dataset_json, split_cases
+from data.nifti import load_image, load_label, normalize, spacing
+from data.patches import PreparedCase, foreground_coords, sample_patch
+from data.synthetic import write_synthetic_dataset
+
+
+def write_msd(root: Path, cases: dict[str, tuple[np.ndarray, np.ndarray]], labels=None, modality=None) -> Path:
+    """A dataset folder with the given {name: (image, label)} arrays; images may be 4D (X, Y, Z, C)."""
+    (root / "imagesTr").mkdir(parents=True)
+    (root / "labelsTr").mkdir()
+    training = []
+    for name, (image, label) in cases.items():
+        nib.save(nib.Nifti1Image(image, np.eye(4)), root / "imagesTr" / f"{name}.nii.gz")
+        nib.save(nib.Nifti1Image(label, np.eye(4)), root / "labelsTr" / f"{name}.nii.gz")
+        training.append({"image": f"./imagesTr/{name}.nii.gz", "label": f"./labelsTr/{name}.nii.gz"})
+    meta = {
+        "labels": labels or {"0": "background", "1": "a", "2": "b"},
+        "modality": modality or {"0": "MRI"},
+        "training": training,
+        "test": [],
+    }
+    (root / "dataset.json").write_text(json.dumps(meta))
+    return root
+
+
+# --- dataset.json ---------------------------------------------------------------------------------------
+
+
+def test_load_dataset_json(tiny_dataset):
+    spec = load_dataset_json(tiny_dataset)
+    assert spec.num_classes == 3 and spec.in_channels == 1
+    assert spec.class_names == ["background", "organ", "lesion"]
+    assert [c.name for c in spec.training] == [f"synth_{i:03d}" for i in range(6)]
+    assert all(c.image.is_file() and c.label.is_file() for c in spec.training)
+    assert [c.name for c in spec.test] == ["synth_006", "synth_007"]
+    assert all(c.label is not None and c.label.parent.name == "labelsTs" for c in spec.test)
+
+
+def test_nnunet_v2_style_labels(tmp_path):
+    label = np.zeros((4, 4, 4), np.uint8)
+    root = write_msd(
+        tmp_path / "d",
+        {"x": (np.zeros((4, 4, 4), np.float32), label)},
+        labels={"background": 0, "liver": 1},
+        modality={"0": "CT"},
+    )
+    spec = load_dataset_json(root)
+    assert spec.labels == {0: "background", 1: "liver"} and spec.modality == {0: "CT"}
+
+
+def test_dataset_json_errors(tmp_path, tiny_dataset):
+    with pytest.raises(FileNotFoundError, match="no dataset.json in"):
+        load_dataset_json(tmp_path)
+    (tmp_path / "dataset.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_dataset_json(tmp_path)
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dataset, copy)
+    meta = json.loads((copy / "dataset.json").read_text())
+    (copy / "imagesTr" / "synth_001.nii.gz").unlink()
+    (copy / "labelsTr" / "synth_004.nii.gz").unlink()
+    with pytest.raises(FileNotFoundError, match="2 missing") as err:
+        load_dataset_json(copy)
+    assert "imagesTr/synth_001.nii.gz" in str(err.value) and "labelsTr/synth_004.nii.gz" in str(err.value)
+    meta["labels"] = {"0": "background", "2": "gap"}
+    (copy / "dataset.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"indices must be 0..1, got \[0, 2\]"):
+        load_dataset_json(copy)
+    meta["labels"] = {"0": "background", "1": "x"}
+    meta["training"] = [{"image": "./imagesTr/synth_000.nii.gz"}]
+    (copy / "dataset.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"training\[0\] must have 'image' and 'label'"):
+        load_dataset_json(copy)
+
+
+def test_split_is_deterministic_and_disjoint(tiny_dataset):
+    cases = load_dataset_json(tiny_dataset).training
+    train, val = split_cases(cases, 0.34, seed=3)
+    assert len(val) == 2 and len(train) == 4
+    assert {c.name for c in train}.isdisjoint(c.name for c in val)
+    assert split_cases(list(reversed(cases)), 0.34, seed=3) == (train, val)
+    other_seeds = {frozenset(c.name for c in split_cases(cases, 0.34, seed=s)[1]) for s in range(4, 10)}
+    assert len(other_seeds) > 1, "the seed must change the split"
+    with pytest.raises(ValueError, match="leaves no training case"):
+        split_cases(cases[:1], 0.5, 0)
+
+
+# --- NIfTI and normalisation -----------------------------------------------------------------------------
+
+
+def test_multichannel_image_is_channel_first(tmp_path):
+    image = np.stack([np.full((4, 5, 6), c, np.float32) for c in range(3)], axis=-1)  # (X, Y, Z, C)
+    nib.save(nib.Nifti1Image(image, np.diag([0.5, 0.7, 2.0, 1])), tmp_path / "img.nii.gz")
+    loaded, img = load_image(tmp_path / "img.nii.gz")
+    assert loaded.shape == (3, 4, 5, 6) and loaded.dtype == np.float32
+    assert [loaded[c].mean() for c in range(3)] == [0, 1, 2]
+    assert spacing(img) == pytest.approx((0.5, 0.7, 2.0))
+
+
+def test_label_out_of_range_is_refused(tmp_path):
+    nib.save(nib.Nifti1Image(np.full((2, 2, 2), 300, np.int16), np.eye(4)), tmp_path / "l.nii.gz")
+    with pytest.raises(ValueError, match=r"l.nii.gz: label values must lie in 0..255"):
+        load_label(tmp_path / "l.nii.gz")
+
+
+def test_normalize_zscore_and_ct_clipping():
+    rng = np.random.default_rng(0)
+    mri = rng.normal(300, 40, (1, 20, 20, 20)).astype(np.float32)
+    out = normalize(mri, ["MRI"])
+    assert abs(out.mean()) < 1e-4 and abs(out.std() - 1) < 1e-3
+    ct = rng.normal(40, 10, (1, 20, 20, 20)).astype(np.float32)
+    ct[0, 0, 0, :5] = 3000  # metal: clipped before the z-score
+    out = normalize(ct, ["CT"])
+    assert out.max() < 4 and abs(out.mean()) < 1e-4
+    unclipped = normalize(ct, ["MRI"])
+    assert unclipped.max() > 20
+    with pytest.raises(ValueError, match="1 channel"):
+        normalize(ct, ["CT", "PET"])
+
+
+# --- patches and augmentation ----------------------------------------------------------------------------
+
+
+def make_case(shape=(20, 18, 16), channels=2) -> PreparedCase:
+    rng = np.random.default_rng(0)
+    label = np.zeros(shape, np.uint8)
+    label[2:5, 3:6, 4:7] = 1
+    label[15:17, 14:16, 12:14] = 2
+    image = rng.normal(size=(channels, *shape)).astype(np.float32)
+    return PreparedCase("c", image, label, foreground_coords(label))
+
+
+def test_patch_shape_dtype_and_forced_foreground():
+    case = make_case()
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        image, label = sample_patch(case, (8, 8, 8), rng, force_fg=True)
+        assert image.shape == (2, 8, 8, 8) and image.dtype == np.float32
+        assert label.shape == (8, 8, 8) and label.dtype == np.uint8
+        assert label.any(), "a foreground-forced patch must contain foreground"
+    random_hits = sum(sample_patch(case, (8, 8, 8), rng, force_fg=False)[1].any() for _ in range(200))
+    assert random_hits < 150  # foreground is small: unforced patches often miss it
+
+
+def test_patch_matches_source_voxels():
+    case = make_case()
+    image, label = sample_patch(case, (20, 18, 16), np.random.default_rng(1), force_fg=False)
+    np.testing.assert_array_equal(image, case.image)
+    np.testing.assert_array_equal(label, case.label)
+
+
+def test_small_volume_is_padded():
+    case = make_case(shape=(6, 10, 4), channels=1)
+    case.label[:] = 0
+    case.label[1, 1, 1] = 1
+    case.fg_coords = foreground_coords(case.label)
+    image, label = sample_patch(case, (8, 16, 8), np.random.default_rng(0), force_fg=True)
+    assert image.shape == (1, 8, 16, 8) and label.shape == (8, 16, 8)
+    assert label.sum() == 1 and np.count_nonzero(image) == 6 * 10 * 4
+
+
+def test_augment_keeps_image_and_label_aligned():
+    rng = np.random.default_rng(0)
+    label = rng.integers(0, 3, (8, 8, 8)).astype(np.uint8)
+    image = label[None].astype(np.float32) * 10  # image encodes the label
+    flips = 0
+    for seed in range(20):
+        aug_image, aug_label = augment(image.copy(), label.copy(), np.random.default_rng(seed))
+        assert aug_image.shape == image.shape and aug_label.dtype == np.uint8
+        # intensity changes are monotonic, so voxel order by intensity still follows the label
+        for cls in range(2):
+            assert aug_image[0][aug_label == cls].max() < aug_image[0][aug_label == cls + 1].min()
+        flips += not np.array_equal(aug_label, label)
+    assert flips > 10
+
+
+# --- the epoch: sharding, workers, reproducibility -------------------------------------------------------
+
+
+@pytest.fixture
+def dataset() -> PatchDataset:
+    return PatchDataset([make_case(), make_case((16, 16, 16), 2)], (8, 8, 8), samples_per_epoch=32, seed=5)
+
+
+def test_items_are_tensors_with_valid_labels(dataset):
+    image, label = dataset[(0, 3)]
+    assert image.shape == (2, 8, 8, 8) and image.dtype == torch.float32
+    assert label.shape == (8, 8, 8) and label.dtype == torch.uint8
+    assert int(label.max()) < 3
+    assert torch.equal(dataset[(0, 3)][0], image), "a sample depends only on (seed, epoch, index)"
+    assert not torch.equal(dataset[(1, 3)][0], image), "the same index differs in the next epoch"
+
+
+def test_foreground_share(dataset):
+    forced = [dataset.plan(epoch, i)[1] for epoch in range(20) for i in range(len(dataset))]
+    assert abs(np.mean(forced) - 1 / 3) < 0.05
+    dataset.fg_fraction = 1.0
+    assert all(dataset[(0, i)][1].any() for i in range(len(dataset)))
+
+
+def test_rank_shards_are_disjoint_and_cover_the_epoch(dataset):
+    for epoch in (0, 1):
+        shards = []
+        for rank in range(2):
+            sampler = EpochSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            keys = list(sampler)
+            assert all(e == epoch for e, _ in keys)
+            shards.append([i for _, i in keys])
+        assert set(shards[0]).isdisjoint(shards[1])
+        assert sorted(shards[0] + shards[1]) == list(range(len(dataset)))
+    sampler = EpochSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(0)
+    first = list(sampler)
+    sampler.set_epoch(1)
+    assert [i for _, i in sampler] != [i for _, i in first], "set_epoch must change the order"
+
+
+def _patches(dataset, rank, num_workers) -> list[bytes]:
+    sampler = EpochSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=0)
+    sampler.set_epoch(0)
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=num_workers)
+    return [img.numpy().tobytes() for images, _ in loader for img in images]
+
+
+def test_workers_and_ranks_draw_different_patches(dataset):
+    rank0 = _patches(dataset, 0, num_workers=2)
+    rank1 = _patches(dataset, 1, num_workers=2)
+    assert len(rank0) == len(rank1) == 16
+    assert len(set(rank0 + rank1)) == 32, "no two patches of an epoch may be the same"
+    assert _patches(dataset, 0, num_workers=0) == rank0, "patches must not depend on the number of workers"
+
+
+# --- synthetic data and the cache ------------------------------------------------------------------------
+
+
+def test_synthetic_dataset_is_deterministic_and_rich(tmp_path):
+    a = write_synthetic_dataset(tmp_path / "a", num_cases=3, size=32, seed=7, num_test=1)
+    b = write_synthetic_dataset(tmp_path / "b", num_cases=3, size=32, seed=7, num_test=1)
+    spec = load_dataset_json(a)
+    assert len(spec.training) == 3 and len(spec.test) == 1 and spec.num_classes == 3
+    for case in spec.training:
+        img_a, nii = load_image(case.image)
+        img_b, _ = load_image(b / "imagesTr" / case.image.name)
+        np.testing.assert_array_equal(img_a, img_b)
+        assert spacing(nii) == (1.0, 1.0, 1.5)
+    labels = np.stack([load_label(c.label)[0] for c in spec.training])
+    assert set(np.unique(labels)) == {0, 1, 2}
+    c = write_synthetic_dataset(tmp_path / "c", num_cases=3, size=32, seed=8, num_test=1)
+    assert not np.array_equal(load_image(c / "imagesTr/synth_000.nii.gz")[0], load_image(spec.training[0].image)[0])
+    assert not any(p.name.startswith("c.tmp") for p in tmp_path.iterdir())
+
+
+def test_cache_round_trip_and_staleness(tiny_dataset, tmp_path):
+    spec = load_dataset_json(tiny_dataset)
+    cache = tmp_path / "cache"
+    assert build_cache(spec.training, ["MRI"], cache, shard=0, num_shards=2) == []
+    assert build_cache(spec.training, ["MRI"], cache, shard=1, num_shards=2) == []
+    case = spec.training[2]
+    assert is_fresh(case, ["MRI"], cache)
+    cached = open_case(case, cache)
+    assert isinstance(cached.image, np.memmap) and not cached.image.flags.writeable
+    np.testing.assert_allclose(cached.image, normalize(load_image(case.image)[0], ["MRI"]))
+    np.testing.assert_array_equal(cached.label, load_label(case.label)[0])
+    assert set(cached.fg_coords) == set(np.unique(cached.label)) - {0}
+    for cls, coords in cached.fg_coords.items():
+        assert (cached.label[tuple(coords.T)] == cls).all()
+    assert not is_fresh(case, ["CT"], cache), "other modalities need another normalisation"
+    st = case.image.stat()
+    os.utime(case.image, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    try:
+        assert not is_fresh(case, ["MRI"], cache), "a changed source file must be rebuilt"
+    finally:
+        os.utime(case.image, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_cache_reports_every_broken_case(tmp_path):
+    good = (np.zeros((4, 4, 4), np.float32), np.zeros((4, 4, 4), np.uint8))
+    bad_shape = (np.zeros((4, 4, 4), np.float32), np.zeros((4, 4, 5), np.uint8))
+    root = write_msd(tmp_path / "d", {"good": good, "bad1": bad_shape, "bad2": bad_shape})
+    spec = load_dataset_json(root)
+    errors = build_cache(spec.training, ["MRI"], tmp_path / "cache")
+    assert len(errors) == 2 and all("spatial shape (4, 4, 4)" in e and "(4, 4, 5)" in e for e in errors)
+    assert {e.split(":")[0] for e in errors} == {"bad1", "bad2"}
