@@ -77,12 +77,12 @@ def resume_path(cfg: TrainConfig) -> Path | None:
 
 
 def describe_devices(info: dist.DistInfo) -> list[str]:
-    """One line per rank (gathered from all of them): rank, host, local rank, device, GPU name and UUID."""
+    """One line per rank (gathered from all of them): rank, host, device, GPU name and UUID, the GPU mask."""
     mine = f"rank {info.rank}: host {socket.gethostname()}, local rank {info.local_rank}, device {info.device}"
     if info.device.type == "cuda":
         props = torch.cuda.get_device_properties(info.device)
         mine += f" = {props.name} (UUID GPU-{props.uuid})"
-        mine += f", CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
+    mine += f", CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
     return dist.all_gather_object(mine)
 
 
@@ -109,7 +109,14 @@ def train(cfg: TrainConfig, info: dist.DistInfo) -> int:
     prepared = [open_case(c, cache) for c in train_cases]
     my_val = [open_case(c, cache) for c in shard(val_cases, info.rank, info.world_size)]
     median_shape = np.median([c.label.shape for c in prepared], axis=0)
-    cfg = resolve(cfg, device.type, info.world_size, median_shape, len(os.sched_getaffinity(0)), info.local_world_size)
+    cfg = resolve(
+        dataclasses.replace(cfg, data_dir=str(data_dir)),  # the synthetic dataset's folder is recorded too
+        device.type,
+        info.world_size,
+        median_shape,
+        len(os.sched_getaffinity(0)),
+        info.local_world_size,
+    )
     amp_dtype = resolve_amp(cfg.amp, device)
 
     log.info("devices:\n  " + "\n  ".join(describe_devices(info)))
@@ -130,7 +137,7 @@ def train(cfg: TrainConfig, info: dist.DistInfo) -> int:
     model_args = {"in_channels": spec.in_channels, "num_classes": spec.num_classes, "features": cfg.features}
     model = UNet3D(**model_args).to(device)
     optimizer = build_optimizer(
-        model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay, fused=device.type == "cuda"
+        model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, fused=device.type == "cuda"
     )
     schedule = build_schedule(optimizer, cfg.optimizer)
     scaler = grad_scaler(device, amp_dtype)
@@ -224,10 +231,9 @@ def train(cfg: TrainConfig, info: dist.DistInfo) -> int:
     finally:
         if writer is not None:
             writer.close()
-    log.info(
-        f"done: {ckpt_dir / 'last.pt'}"
-        + (f", best mean Dice {best:.4f} in {ckpt_dir / 'best.pt'}" if best > -math.inf else "")
-    )
+    best_note = f"; best mean Dice {best:.4f}: {ckpt_dir / 'best.pt'}" if best > -math.inf else ""
+    log.info(f"done. checkpoint: {ckpt_dir / 'last.pt'}{best_note}")
+    log.info(f"TensorBoard logs: {Path(cfg.out_dir) / 'tensorboard'} (tensorboard --logdir {cfg.out_dir}/tensorboard)")
     return 0
 
 

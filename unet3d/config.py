@@ -27,8 +27,15 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
         "patch_size": (128, 128, 128),
         "epochs": 1000,
         "samples_per_epoch": 500,
+        "momentum": 0.99,
     },
-    "cpu": {"features": (8, 16, 32, 64), "patch_size": (48, 48, 32), "epochs": 12, "samples_per_epoch": 48},
+    "cpu": {
+        "features": (8, 16, 32, 64),
+        "patch_size": (48, 48, 32),
+        "epochs": 16,
+        "samples_per_epoch": 64,
+        "momentum": 0.95,
+    },
 }
 
 
@@ -59,8 +66,12 @@ class TrainConfig:
         "patches per epoch over all ranks (default: by device); "
         "rounded up to a multiple of batch size times world size",
     )
-    optimizer: str = _f("sgd", "sgd (Nesterov momentum 0.99, poly decay, as nnU-Net) or adamw (warmup, cosine)")
+    optimizer: str = _f("sgd", "sgd (Nesterov momentum, poly decay, as nnU-Net) or adamw (warmup, cosine)")
     lr: float | None = _f(None, "peak learning rate (default: 0.01 for sgd, 1e-3 for adamw)")
+    momentum: float | None = _f(
+        None,
+        "SGD momentum (default: 0.99 on GPUs as nnU-Net; 0.95 on the CPU, where 0.99 learns small classes too late)",
+    )
     weight_decay: float = _f(3e-5, "weight decay")
     loss: str = _f("dice_ce", "dice or dice_ce (soft Dice plus cross-entropy)")
     amp: str = _f(
@@ -89,6 +100,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.momentum is not None and not 0 <= self.momentum < 1:
+            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
             raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.val_fraction < 1:
@@ -150,6 +163,7 @@ def resolve(
         epochs=cfg.epochs or defaults["epochs"],
         samples_per_epoch=math.ceil(samples / step) * step,
         lr=cfg.lr or (0.01 if cfg.optimizer == "sgd" else 1e-3),
+        momentum=cfg.momentum if cfg.momentum is not None else defaults["momentum"],
         num_workers=cfg.num_workers
         if cfg.num_workers is not None
         else default_num_workers(cpu_count, local_world_size),
@@ -160,11 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     """An argparse parser with one --option per TrainConfig field."""
     parser = argparse.ArgumentParser(
         description="Train a 3D U-Net with DistributedDataParallel (run under torchrun, or alone).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     for f in dataclasses.fields(TrainConfig):
-        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata["help"]}
+        shown = (
+            ""
+            if f.default is None
+            else f" (default: {f.default:.3g})"
+            if isinstance(f.default, float)
+            else (f" (default: {f.default})")
+        )
+        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata["help"] + shown}
         hint = str(hints[f.name])
         if "nargs" in f.metadata:
             kwargs.update(nargs=f.metadata["nargs"], type=int, metavar="N")

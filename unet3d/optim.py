@@ -12,12 +12,17 @@ WARMUP = 0.02  # share of training spent warming AdamW up
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], name: str, lr: float, weight_decay: float, fused: bool = False
+    params: Iterable[torch.nn.Parameter],
+    name: str,
+    lr: float,
+    weight_decay: float,
+    momentum: float = 0.99,
+    fused: bool = False,
 ) -> torch.optim.Optimizer:
-    """SGD with Nesterov momentum 0.99 (nnU-Net) or AdamW; `fused` picks the fused CUDA kernels."""
+    """SGD with Nesterov momentum (nnU-Net: 0.99) or AdamW; `fused` picks the fused CUDA kernels."""
     extra = {"fused": True} if fused else {}
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.99, nesterov=True, weight_decay=weight_decay, **extra)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True, weight_decay=weight_decay, **extra)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **extra)
     raise ValueError(f"unknown optimizer {name!r}; choose sgd or adamw")

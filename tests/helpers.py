@@ -1,0 +1,80 @@
+"""Running real processes from tests: commands in their own session, and groups of gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(
+    args: Sequence[str], timeout: float = 300, env: dict[str, str] | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
+    """Run a command in a new session; on timeout kill its whole process group and fail with its output.
+
+    Output is decoded without newline translation, so a progress bar's carriage returns stay as they are.
+    """
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(
+        list(args), cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"{' '.join(args)} timed out after {timeout} s\nstdout:\n{out.decode()}\nstderr:\n{err.decode()}"
+        ) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    from unet3d import dist
+
+    info = dist.setup(timeout=timedelta(seconds=60))
+    try:
+        fn(info, *args)
+    finally:
+        dist.cleanup()
+
+
+def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180) -> None:
+    """Run fn(info, *args) in `world_size` fresh gloo processes; fail if any fails or the group hangs.
+
+    `fn` must be importable (a module-level function); it reports results through files.
+    """
+    ctx = mp.start_processes(
+        _rank_main, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError(f"{world_size} ranks did not finish within {timeout} s")

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from unet3d.config import DEVICE_DEFAULTS, TrainConfig, build_parser, default_num_workers, parse_args, resolve
+
+
+def test_every_field_is_an_option():
+    parser = build_parser()
+    options = {a.dest for a in parser._actions} - {"help"}
+    assert options == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert all(f.metadata["help"] for f in dataclasses.fields(TrainConfig))
+
+
+def test_parse_types_and_patch_forms():
+    cfg = parse_args(["--patch-size", "32", "--lr", "0.02", "--epochs", "3", "--features", "4", "8", "16"])
+    assert cfg.patch_size == (32, 32, 32) and cfg.lr == 0.02 and cfg.epochs == 3 and cfg.features == (4, 8, 16)
+    assert parse_args(["--patch-size", "32", "16", "48"]).patch_size == (32, 16, 48)
+    assert parse_args([]).resume == "auto" and parse_args([]).out_dir == "runs/default"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--patch-size", "32", "16"], "--patch-size takes one positive int or three"),
+        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--val-fraction", "1.0"], "--val-fraction must be in [0, 1), got 1.0"),
+        (["--features", "8"], "--features needs at least two positive ints"),
+        (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+    ],
+)
+def test_bad_values_exit_2_naming_the_value(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_choices_are_validated():
+    with pytest.raises(ValueError, match="--amp must be one of"):
+        TrainConfig(amp="fp8")
+    with pytest.raises(SystemExit):
+        parse_args(["--loss", "focal"])
+
+
+def test_resolve_fills_device_defaults():
+    cfg = resolve(TrainConfig(), "cuda", world_size=3, median_shape=(300, 300, 300), cpu_count=48, local_world_size=3)
+    assert cfg.features == DEVICE_DEFAULTS["cuda"]["features"] == (32, 64, 128, 256, 320)
+    assert cfg.patch_size == (128, 128, 128)
+    assert cfg.samples_per_epoch % (cfg.batch_size * 3) == 0 and cfg.samples_per_epoch >= 500
+    assert cfg.num_workers == 12 and cfg.lr == 0.01 and cfg.momentum == 0.99
+    cpu = resolve(TrainConfig(), "cpu", world_size=2, median_shape=(64, 64, 40), cpu_count=2, local_world_size=2)
+    assert cpu.features == DEVICE_DEFAULTS["cpu"]["features"] and cpu.num_workers == 1 and cpu.momentum == 0.95
+    assert resolve(TrainConfig(momentum=0.5), "cpu", 1, (64, 64, 64), 2, 1).momentum == 0.5
+
+
+def test_resolve_shrinks_patch_to_small_volumes_and_checks_divisibility():
+    cfg = resolve(TrainConfig(), "cuda", world_size=1, median_shape=(40, 200, 20), cpu_count=8, local_world_size=1)
+    assert cfg.patch_size == (48, 128, 32)  # rounded up to multiples of 16
+    with pytest.raises(ValueError, match=r"--patch-size \(24, 24, 24\): every size must be divisible by 16"):
+        resolve(TrainConfig(patch_size=24), "cuda", 1, (64, 64, 64), 8, 1)
+    explicit = TrainConfig(patch_size=(16, 16, 8), features=(4, 8), lr=0.5, epochs=2, samples_per_epoch=5)
+    cfg = resolve(explicit, "cpu", world_size=2, median_shape=(64, 64, 64), cpu_count=2, local_world_size=2)
+    assert (cfg.patch_size, cfg.features, cfg.lr, cfg.epochs) == ((16, 16, 8), (4, 8), 0.5, 2)
+    assert cfg.samples_per_epoch == 8  # rounded up to batch 2 x world 2
+
+
+@pytest.mark.parametrize(("cpus", "local", "expected"), [(64, 8, 7), (2, 2, 1), (1, 4, 1), (128, 1, 12)])
+def test_default_num_workers(cpus, local, expected):
+    assert default_num_workers(cpus, local) == expected
+
+
+def test_readme_documents_every_option():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [a.option_strings[0] for a in build_parser()._actions if a.option_strings[0] != "-h"]
+    missing = [opt for opt in missing if f"`{opt}" not in readme]
+    assert not missing, f"README.md does not document {missing}"

@@ -1,0 +1,105 @@
+"""Distributed set-up: torchrun's environment, device binding (GPU calls stubbed: no GPU here), collectives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import spawn_ranks
+from unet3d import dist
+
+
+def test_read_env_defaults_to_one_process(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert dist.read_env() == (0, 0, 1, 1)
+    assert dist.get_rank() == 0 and dist.get_world_size() == 1 and dist.is_main()
+
+
+def test_read_env_torchrun(monkeypatch):
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert dist.read_env() == (5, 1, 8, 4)
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(ValueError, match="LOCAL_RANK='x'"):
+        dist.read_env()
+    monkeypatch.setenv("LOCAL_RANK", "4")
+    with pytest.raises(ValueError, match="LOCAL_RANK=4"):
+        dist.read_env()
+
+
+class FakeCuda:
+    """Records the order of CUDA and process-group calls, as three masked GPUs would see them."""
+
+    def __init__(self, monkeypatch, visible: int = 3) -> None:
+        self.calls: list[tuple] = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda d: self.calls.append(("set_device", torch.device(d))))
+        monkeypatch.setattr(
+            torch.distributed,
+            "init_process_group",
+            lambda backend, **kw: self.calls.append(("init_process_group", backend, kw.get("device_id"))),
+        )
+
+
+def test_setup_binds_local_rank_device_before_process_group(monkeypatch):
+    fake = FakeCuda(monkeypatch)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    info = dist.setup()
+    assert info.device == torch.device("cuda", 2) and info.rank == 2
+    assert fake.calls == [
+        ("set_device", torch.device("cuda", 2)),
+        ("init_process_group", "nccl", torch.device("cuda", 2)),
+    ]
+
+
+def test_setup_refuses_local_rank_without_a_visible_gpu(monkeypatch):
+    FakeCuda(monkeypatch, visible=2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=2 but only 2 GPU\(s\) are visible \(CUDA_VISIBLE_DEVICES=5,6\)"):
+        dist.setup()
+
+
+def test_setup_alone_on_cpu_makes_no_process_group(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    info = dist.setup()
+    assert info.device == torch.device("cpu") and info.world_size == 1 and not dist.is_dist()
+    assert dist.run_on_main(lambda: 41 + 1) == 42
+    assert dist.all_reduce_sum(torch.ones(2)).tolist() == [1, 1]
+
+
+def _collectives(info: dist.DistInfo, out: Path) -> None:
+    total = dist.all_reduce_sum(torch.tensor([float(info.rank + 1)]))
+    gathered = dist.all_gather_object(info.rank * 10)
+    value = dist.run_on_main(lambda: "made on rank 0")
+    try:
+        dist.run_on_main(lambda: 1 / 0)
+        failure = None
+    except Exception as e:  # every rank must see the failure, not hang
+        failure = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    (out / f"{info.rank}.json").write_text(json.dumps([total.item(), gathered, value, failure, str(info.device)]))
+
+
+def test_collectives_on_three_gloo_ranks(tmp_path):
+    spawn_ranks(_collectives, 3, tmp_path)
+    results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
+    for rank, (total, gathered, value, failure, device) in enumerate(results):
+        assert total == 6 and gathered == [0, 10, 20] and value == "made on rank 0" and device == "cpu"
+        expected = "ZeroDivisionError: division by zero"
+        assert failure == expected if rank == 0 else failure == f"RuntimeError: rank 0 failed: {expected}"
