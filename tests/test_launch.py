@@ -1,0 +1,124 @@
+"""launch.sh: GPU-id validation, masking before Python starts, the rank mapping, option pass-through.
+
+These machines have no GPU: a stand-in `nvidia-smi` on PATH lists four, and a spy in place of torchrun
+(TORCHRUN) records what it would have been started with. The real torchrun runs in test_train_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, run
+
+GPUS = [f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd)" for i in range(4)]
+
+
+def _script(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+@pytest.fixture
+def env(tmp_path) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    listing = "\n".join(GPUS)
+    _script(bin_dir / "nvidia-smi", f'#!/bin/sh\n[ "$1" = "-L" ] && cat <<"EOF"\n{listing}\nEOF\n')
+    record = str(tmp_path / "started.json")
+    spy = _script(
+        tmp_path / "torchrun-spy",
+        "#!/usr/bin/env python3\nimport json, os, sys\n"
+        f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({record!r}, 'w'))\n",
+    )
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "TORCHRUN": str(spy)}
+
+
+def started(tmp_path) -> dict | None:
+    path = tmp_path / "started.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ("5,5", "GPU id 5 appears twice in '5,5'"),
+        ("1,2,1", "GPU id 1 appears twice"),
+        ("a", "GPU id 'a' in 'a' is not a number"),
+        ("1,x", "GPU id 'x' in '1,x' is not a number"),
+        ("-1", "negative GPU id '-1'"),
+        ("", "empty GPU list"),
+        ("1,,2", "empty entry in GPU list '1,,2'"),
+        ("2,", "empty entry in GPU list '2,'"),
+        ("4", "GPU id 4 is not below the 4 GPU(s) that nvidia-smi -L lists"),
+        ("0,9", "GPU id 9 is not below the 4 GPU(s)"),
+        ("cpu:0", "cpu:N needs a positive number of processes, got '0'"),
+        ("cpu:two", "cpu:N needs a positive number of processes, got 'two'"),
+        ("--epochs", "the first argument must be GPU ids or cpu[:N]"),
+    ],
+)
+def test_bad_ids_are_refused_before_anything_starts(ids, message, env, tmp_path):
+    result = run(["bash", "launch.sh", ids, "--epochs", "1"], env=env, timeout=30)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0, "one line"
+    assert message in result.stderr
+    assert started(tmp_path) is None, "no process may start"
+
+
+def test_gpu_ids_are_masked_and_mapped(env, tmp_path):
+    result = run(["bash", "launch.sh", "3,1", "--epochs", "5", "--out-dir", "runs/x y"], env=env, timeout=30)
+    assert result.returncode == 0, result.stderr
+    spy = started(tmp_path)
+    assert spy["env"]["CUDA_VISIBLE_DEVICES"] == "3,1"
+    assert spy["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert int(spy["env"]["OMP_NUM_THREADS"]) >= 1
+    assert spy["argv"] == [
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(REPO / "train_ddp.py"),
+        "--epochs",
+        "5",
+        "--out-dir",
+        "runs/x y",
+    ]
+    lines = result.stdout.splitlines()
+    assert (
+        "  rank 0 -> cuda:0 -> physical GPU 3: NVIDIA H100 80GB HBM3 (UUID: GPU-00000003-aaaa-bbbb-cccc-dddddddddddd)"
+        in lines
+    )
+    assert (
+        "  rank 1 -> cuda:1 -> physical GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-00000001-aaaa-bbbb-cccc-dddddddddddd)"
+        in lines
+    )
+
+
+def test_cpu_mode_hides_gpus_and_shares_cores(env, tmp_path):
+    result = run(["bash", "launch.sh", "cpu:3", "--resume", "none"], env={**env, "OMP_NUM_THREADS": ""}, timeout=30)
+    assert result.returncode == 0, result.stderr
+    spy = started(tmp_path)
+    assert spy["env"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert spy["env"]["OMP_NUM_THREADS"] == str(max(1, os.cpu_count() // 3))
+    assert spy["argv"][:3] == ["--standalone", "--nproc-per-node", "3"] and spy["argv"][-2:] == ["--resume", "none"]
+    assert "rank 2 -> cpu" in result.stdout
+    default = run(["bash", "launch.sh", "cpu"], env=env, timeout=30)
+    assert default.returncode == 0 and started(tmp_path)["argv"][2] == "2"
+
+
+def test_help_explains_ids_and_pass_through(env):
+    result = run(["bash", "launch.sh", "--help"], env=env, timeout=30)
+    assert result.returncode == 0
+    assert "5 -> cuda:0" in result.stdout and "cpu[:N]" in result.stdout and "train_ddp.py" in result.stdout
+    assert run(["bash", "launch.sh"], env=env, timeout=30).returncode == 2
+
+
+def test_missing_nvidia_smi_is_a_clear_error(tmp_path):
+    spy = _script(tmp_path / "spy", f"#!/bin/sh\ntouch {tmp_path / 'started'}\n")
+    result = run(["bash", "launch.sh", "0"], env={"PATH": "/usr/bin:/bin", "TORCHRUN": str(spy)}, timeout=30)
+    assert result.returncode == 2 and "nvidia-smi not found" in result.stderr
+    assert not (tmp_path / "started").exists()
