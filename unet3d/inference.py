@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from functools import lru_cache
 
+import numpy as np
 import torch
 from torch import nn
+
+from unet3d.amp import autocast
 
 
 def window_starts(size: int, window: int, overlap: float) -> list[int]:
@@ -90,7 +94,7 @@ def sliding_window_inference(
         chunk = starts[i : i + sw_batch_size]
         slices = [tuple(slice(s, s + w) for s, w in zip(start, window)) for start in chunk]
         batch = torch.stack([image[(slice(None),) + sl] for sl in slices])  # (b, C, *window)
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        with autocast(device, amp_dtype):
             out = model(batch).float()  # (b, K, *window)
         if logits is None:
             logits = torch.zeros((out.shape[1],) + padded, device=device)
@@ -103,3 +107,42 @@ def sliding_window_inference(
         crop = tuple(slice(p // 2, p // 2 + s) for p, s in zip(pad, size))
         logits = logits[(slice(None),) + crop]
     return logits
+
+
+@torch.no_grad()
+def predict(
+    model: nn.Module,
+    image: np.ndarray | torch.Tensor,
+    window: Sequence[int],
+    device: torch.device,
+    overlap: float = 0.5,
+    sw_batch_size: int = 2,
+    amp_dtype: torch.dtype | None = None,
+    tta: bool = False,
+) -> torch.Tensor:
+    """Label map of a whole normalised volume: the one prediction path of validation and evaluate.py.
+
+    Args:
+        image: (C, X, Y, Z) normalised intensities (NumPy arrays, memory maps included, are copied).
+        tta: average the softmax over the 8 combinations of mirroring the three axes.
+
+    Returns:
+        (X, Y, Z) int64 labels on `device`.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        x = torch.from_numpy(np.array(image, dtype=np.float32)) if isinstance(image, np.ndarray) else image
+        x = x.to(device, torch.float32)
+        if not tta:
+            return sliding_window_inference(model, x, window, overlap, sw_batch_size, amp_dtype).argmax(0)
+        probs = None
+        for r in range(4):
+            for axes in itertools.combinations((1, 2, 3), r):
+                flipped = x.flip(axes) if axes else x
+                logits = sliding_window_inference(model, flipped, window, overlap, sw_batch_size, amp_dtype)
+                p = torch.softmax(logits.flip(axes) if axes else logits, dim=0)
+                probs = p if probs is None else probs + p
+        return probs.argmax(0)
+    finally:
+        model.train(was_training)

@@ -1,0 +1,69 @@
+"""Sliding-window inference: coverage, stitching and padding, checked with a pointwise model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from unet3d import UNet3D
+from unet3d.inference import gaussian_weight, predict, sliding_window_inference, window_starts
+
+
+@pytest.mark.parametrize(("size", "window", "overlap"), [(50, 16, 0.5), (16, 16, 0.5), (17, 16, 0.25), (100, 32, 0)])
+def test_window_starts_cover_with_the_requested_overlap(size, window, overlap):
+    starts = window_starts(size, window, overlap)
+    assert starts[0] == 0 and starts[-1] == size - window
+    covered = torch.zeros(size, dtype=torch.bool)
+    for s in starts:
+        covered[s : s + window] = True
+    assert covered.all()
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert all(g <= window * (1 - overlap) + 1e-9 for g in gaps)
+
+
+def test_gaussian_weight_peaks_in_the_middle():
+    w = gaussian_weight((8, 8, 6))
+    assert w.shape == (8, 8, 6) and w.max() == pytest.approx(1.0, abs=0.05) and w.min() >= 1e-3
+    assert w[4, 4, 3] > w[0, 0, 0]
+
+
+class Pointwise(nn.Module):
+    """A 1x1x1 convolution: its output at a voxel depends only on that voxel, so stitching must not show."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv3d(2, 3, 1)
+
+    def forward(self, x):
+        assert x.shape[2:] == (16, 16, 8), "every window has the requested size"
+        return self.conv(x)
+
+
+@pytest.mark.parametrize("size", [(37, 21, 19), (16, 16, 8), (10, 5, 3), (40, 9, 30)])
+def test_stitched_output_equals_whole_volume_output(size):
+    model = Pointwise().eval()
+    image = torch.randn(2, *size)
+    out = sliding_window_inference(model, image, (16, 16, 8), overlap=0.5, sw_batch_size=3)
+    assert out.shape == (3, *size)
+    with torch.no_grad():
+        direct = model.conv(image[None])[0]
+    torch.testing.assert_close(out, direct, rtol=1e-5, atol=1e-5)
+
+
+def test_predict_with_tta_on_a_unet():
+    torch.manual_seed(0)
+    model = UNet3D(1, 3, (4, 8))
+    image = torch.randn(1, 20, 13, 9).numpy()
+    plain = predict(model, image, (8, 8, 8), torch.device("cpu"))
+    mirrored = predict(model, image, (8, 8, 8), torch.device("cpu"), tta=True)
+    assert plain.shape == mirrored.shape == (20, 13, 9) and plain.dtype == torch.int64
+    assert int(plain.max()) < 3 and model.training, "predict restores the model's mode"
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="overlap"):
+        sliding_window_inference(Pointwise(), torch.randn(2, 16, 16, 8), (16, 16, 8), overlap=1.0)
+    with pytest.raises(ValueError, match=r"\(C, X, Y, Z\)"):
+        sliding_window_inference(Pointwise(), torch.randn(16, 16, 8), (16, 16, 8))
