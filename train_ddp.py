@@ -33,6 +33,7 @@ from unet3d.logs import setup_logging
 from unet3d.loss import build_loss
 from unet3d.model import UNet3D
 from unet3d.optim import build_optimizer, build_schedule
+from unet3d.report import epoch_summary, log_epoch
 from unet3d.validation import shard, validate
 
 
@@ -199,35 +200,15 @@ def train(cfg: TrainConfig, info: dist.DistInfo) -> int:
                     cfg.batch_size,
                     amp_dtype,
                 )
+            is_best = val is not None and val.mean_dice > best
+            best = max(best, val.mean_dice) if val is not None else best
             if info.is_main:
-                summary = (
-                    f"epoch {done}/{cfg.epochs}: loss {stats.loss:.4f}, lr {stats.lr:.2e}, "
-                    f"{stats.seconds:.1f} s, {stats.samples_per_s:.1f} samples/s"
-                )
-                writer.add_scalar("train/loss", stats.loss, done)
-                writer.add_scalar("train/lr", stats.lr, done)
-                writer.add_scalar("time/epoch_s", stats.seconds, done)
-                writer.add_scalar("time/samples_per_s", stats.samples_per_s, done)
-                is_best = False
-                if val is not None:
-                    per_class, mean = val
-                    for name, value in zip(spec.class_names[1:], per_class):
-                        writer.add_scalar(f"val/dice_{name}", value, done)
-                    writer.add_scalar("val/mean_dice", mean, done)
-                    is_best = mean > best
-                    best = max(best, mean)
-                    summary += (
-                        f", val Dice {mean:.4f} ("
-                        + ", ".join(f"{n} {v:.3f}" for n, v in zip(spec.class_names[1:], per_class))
-                        + ")"
-                    )
-                    summary += " new best" if is_best else ""
-                writer.flush()
+                log_epoch(writer, done, stats, val, spec.class_names)
                 state = checkpoint_state(model, optimizer, schedule, scaler, done, best, cfg, model_args, spec)
                 save_checkpoint(state, ckpt_dir / "last.pt")
                 if is_best:
                     save_checkpoint(state, ckpt_dir / "best.pt")
-                log.info(summary)
+                log.info(epoch_summary(done, cfg.epochs, stats, val, spec.class_names, is_best))
     finally:
         if writer is not None:
             writer.close()

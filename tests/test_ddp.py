@@ -11,8 +11,11 @@ from tests.helpers import spawn_ranks
 from unet3d import UNet3D, dist
 from unet3d.amp import grad_scaler
 from unet3d.engine import train_one_epoch
+from unet3d.inference import predict
 from unet3d.loss import DiceCELoss
+from unet3d.metrics import case_metrics
 from unet3d.optim import build_optimizer, build_schedule
+from unet3d.validation import shard, validate
 
 BATCH = 4
 
@@ -79,3 +82,53 @@ def test_half_batch_alone_differs(tmp_path, monkeypatch):
     a = torch.load(tmp_path / "single.pt", map_location="cpu", weights_only=True)["model"]
     b = torch.load(tmp_path / "half.pt", map_location="cpu", weights_only=True)["model"]
     assert any(not torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def make_val_cases(n: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Odd-sized volumes, not multiples of the window, with labels loosely following the image."""
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for i in range(n):
+        shape = (13 + i, 11, 9 + 2 * i)
+        label = torch.randint(0, 3, shape, generator=g, dtype=torch.uint8)
+        image = label[None].float() + 0.8 * torch.randn(1, *shape, generator=g)
+        cases.append((image.numpy(), label.numpy()))
+    return cases
+
+
+def run_validation(info: dist.DistInfo, out: Path) -> None:
+    torch.manual_seed(0)
+    model = UNet3D(1, 3, (4, 8))
+    mine = shard(make_val_cases(), info.rank, info.world_size)
+    result = validate(model, mine, 3, (8, 8, 8), info.device, overlap=0.5, sw_batch_size=2)
+    torch.save(
+        {"per_class": torch.from_numpy(result.per_class), "mean": result.mean_dice, "n": result.num_cases},
+        out.with_name(f"{out.stem}_{info.rank}.pt"),
+    )
+
+
+def test_distributed_validation_equals_single_process(tmp_path, monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    run_validation(dist.setup(), tmp_path / "single.pt")
+    single = torch.load(tmp_path / "single_0.pt", weights_only=True)
+    assert single["n"] == 5 and 0 < single["mean"] < 1
+    torch.manual_seed(0)
+    model = UNet3D(1, 3, (4, 8))
+    by_hand = [evaluate_case(model, image, label) for image, label in make_val_cases()]
+    torch.testing.assert_close(
+        single["per_class"], torch.tensor(by_hand, dtype=torch.float64).mean(0)[1:], rtol=0, atol=1e-12
+    )
+    for world in (2, 3):
+        spawn_ranks(run_validation, world, tmp_path / f"w{world}.pt")
+        for rank in range(world):
+            got = torch.load(tmp_path / f"w{world}_{rank}.pt", weights_only=True)
+            assert got["n"] == 5, "every case exactly once, no padding duplicates"
+            torch.testing.assert_close(got["per_class"], single["per_class"], rtol=0, atol=1e-12)
+            assert abs(got["mean"] - single["mean"]) < 1e-12
+
+
+def evaluate_case(model, image, label) -> list[float]:
+    """evaluate.py's per-case Dice for one case (the definition validation must reproduce)."""
+    pred = predict(model, image, (8, 8, 8), torch.device("cpu"), 0.5, 2).numpy()
+    return [1.0] + [row["dice"] for row in case_metrics(pred, label, 3, (1.0, 1.0, 1.0))]

@@ -10,13 +10,14 @@ wrapper, so no rank waits on another's forward pass.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
 from unet3d import dist
-from unet3d.inference import sliding_window_inference
+from unet3d.inference import predict
 from unet3d.metrics import confusion_counts, dice_from_counts
 
 
@@ -25,25 +26,12 @@ def shard(items: Sequence, rank: int, world_size: int) -> list:
     return list(items)[rank::world_size]
 
 
-@torch.no_grad()
-def predict_case(
-    model: nn.Module,
-    image: np.ndarray | torch.Tensor,
-    window: Sequence[int],
-    device: torch.device,
-    overlap: float = 0.5,
-    sw_batch_size: int = 2,
-    amp_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Label map (X, Y, Z) int64 of a normalised image (C, X, Y, Z), on `device`."""
-    was_training = model.training
-    model.eval()
-    try:
-        x = torch.from_numpy(np.array(image, dtype=np.float32)).to(device)  # a copy: memory maps are read-only
-        logits = sliding_window_inference(model, x, window, overlap, sw_batch_size, amp_dtype)
-        return logits.argmax(0)
-    finally:
-        model.train(was_training)
+@dataclass
+class ValResult:
+    per_class: np.ndarray  # (K - 1,) mean Dice per foreground class over all ranks' cases
+    mean_dice: float  # mean of per_class: the same definition as evaluate.py's mean_dice
+    num_cases: int  # over all ranks
+    preview: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # this rank's first (image, label, prediction)
 
 
 def validate(
@@ -55,26 +43,27 @@ def validate(
     overlap: float = 0.5,
     sw_batch_size: int = 2,
     amp_dtype: torch.dtype | None = None,
-) -> tuple[np.ndarray, float]:
+) -> ValResult:
     """Per-class and mean Dice over every rank's validation cases. Every rank must call this.
 
     Args:
         model: the unwrapped model (not the DDP wrapper).
         cases: this rank's (image (C, X, Y, Z), label (X, Y, Z)) pairs; may be empty.
-
-    Returns:
-        (K - 1,) mean Dice per foreground class over all ranks' cases, and their mean.
+        window, overlap, sw_batch_size, amp_dtype: sliding-window inference settings.
     """
     sums = torch.zeros(num_classes, dtype=torch.float64, device=device)
     count = torch.zeros(1, dtype=torch.float64, device=device)
+    preview = None
     for image, label in cases:
-        pred = predict_case(model, image, window, device, overlap, sw_batch_size, amp_dtype)
+        pred = predict(model, image, window, device, overlap, sw_batch_size, amp_dtype)
         ref = torch.from_numpy(np.array(label)).to(device)
         sums += dice_from_counts(confusion_counts(pred, ref, num_classes))
         count += 1
+        if preview is None:
+            preview = (np.asarray(image), np.asarray(label), pred.cpu().numpy())
     totals = dist.all_reduce_sum(torch.cat([sums, count]))  # one collective, outside the case loop
-    n = totals[-1].item()
+    n = int(totals[-1].item())
     if n == 0:
         raise ValueError("validation has no cases")
     per_class = (totals[1:num_classes] / n).cpu().numpy()
-    return per_class, float(per_class.mean())
+    return ValResult(per_class, float(per_class.mean()), n, preview)
