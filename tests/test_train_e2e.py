@@ -16,6 +16,10 @@ from tests.helpers import run
 CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "best_metric", "config"}
 
 
+# Half of six cases for validation, so both ranks score some.
+SYNTHETIC = ("--synthetic-cases", "6", "--synthetic-size", "32", "--val-fraction", "0.5")
+
+
 def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
@@ -31,6 +35,8 @@ def launch(tmp: Path, *extra: str, epochs: int = 2) -> tuple[int, str, str]:
         str(tmp / "run"),
         "--cache-dir",
         str(tmp / "cache"),
+        "--synthetic-dir",
+        str(tmp / "syn"),
         "--epochs",
         str(epochs),
         "--samples-per-epoch",
@@ -46,7 +52,7 @@ def launch(tmp: Path, *extra: str, epochs: int = 2) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, str, str]:
     tmp = tmp_path_factory.mktemp("e2e")
-    rc, out, err = launch(tmp, "--synthetic-dir", str(tmp / "syn"), "--synthetic-cases", "6", "--synthetic-size", "32")
+    rc, out, err = launch(tmp, *SYNTHETIC)
     assert rc == 0, f"stdout:\n{out}\nstderr:\n{err}"
     return tmp, out, err
 
@@ -73,6 +79,31 @@ def test_tensorboard_holds_training_and_validation_scalars(trained):
     assert len(scalars(tmp / "run", "train/lr")) == 2
 
 
+def test_tensorboard_holds_a_validation_overlay(trained):
+    tmp, _, _ = trained
+    acc = EventAccumulator(str(tmp / "run" / "tensorboard"), size_guidance={"images": 0})
+    acc.Reload()
+    images = acc.Images("val/overlay")
+    assert [i.step for i in images][:2] == [1, 2]
+    assert images[0].width == 3 * images[0].height, "image | reference | prediction side by side"
+
+
+def test_evaluate_reproduces_the_runs_own_validation(trained):
+    tmp, _, _ = trained
+    checkpoint = tmp / "run/checkpoints/last.pt"
+    epoch = torch.load(checkpoint, map_location="cpu", weights_only=True)["epoch"]
+    logged = dict(scalars(tmp / "run", "val/mean_dice"))[epoch]
+    result = run(["python", "evaluate.py", "--checkpoint", str(checkpoint), "--device", "cpu"], timeout=120)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp / "run/eval_val/summary.json").read_text())
+    assert summary["split"] == "val" and summary["num_cases"] == 3
+    assert abs(summary["mean_dice"] - logged) < 1e-4
+    assert "mean Dice" in result.stdout and "lesion" in result.stdout
+    for name in ("metrics.csv", "overview.png"):
+        assert (tmp / "run/eval_val" / name).is_file()
+    assert len(list((tmp / "run/eval_val/predictions").glob("*.nii.gz"))) == 3
+
+
 def test_output_shows_world_size_and_one_progress_bar(trained):
     _, out, err = trained
     assert "world size 2, batch 2 per process, global batch 4" in out
@@ -85,9 +116,7 @@ def test_output_shows_world_size_and_one_progress_bar(trained):
 
 def test_resume_continues_with_the_next_epoch(trained):
     tmp, _, _ = trained
-    rc, out, err = launch(
-        tmp, "--synthetic-dir", str(tmp / "syn"), "--synthetic-cases", "6", "--synthetic-size", "32", epochs=3
-    )
+    rc, out, err = launch(tmp, *SYNTHETIC, epochs=3)
     assert rc == 0, err
     assert "resumed from" in out and "2 epoch(s) done" in out
     assert "epoch 1/3" not in out and "epoch 3/3: loss" in out

@@ -61,3 +61,53 @@ def strip_wrapper_prefixes(state_dict: Mapping[str, Any], expected_keys: Iterabl
         if prefix is None:
             return current
         current = {k[len(prefix) :]: v for k, v in current.items()}
+
+
+def state_dict_of(checkpoint: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The model weights in a loaded file: train_ddp.py's `model` entry, a `state_dict` entry, or the
+    whole mapping when it is a bare state dict (as `torch.save(model.state_dict())` writes)."""
+    for key in ("model", "state_dict"):
+        inner = checkpoint.get(key)
+        if isinstance(inner, Mapping) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
+            return dict(inner)
+    if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+        return dict(checkpoint)
+    raise ValueError(f"no model weights found: keys are {sorted(checkpoint)[:10]}")
+
+
+def infer_model_args(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """UNet3D's in_channels, num_classes and features read off the weight shapes of an unprefixed state dict."""
+    try:
+        features = []
+        while f"encoder.{len(features)}.0.weight" in state_dict:
+            features.append(int(state_dict[f"encoder.{len(features)}.0.weight"].shape[0]))
+        in_channels = int(state_dict["encoder.0.0.weight"].shape[1])
+        num_classes = int(state_dict["head.weight"].shape[0])
+    except KeyError as e:
+        raise ValueError(
+            f"cannot infer the U-Net's shape: the weights have no {e}; give --in-channels, --num-classes and --features"
+        ) from e
+    return {"in_channels": in_channels, "num_classes": num_classes, "features": features}
+
+
+def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], source: str | Path) -> None:
+    """Load wrapper-stripped weights into `model`; a mismatch names the missing, unexpected and misshapen keys."""
+    own = model.state_dict()
+    weights = strip_wrapper_prefixes(state_dict, own.keys())
+    missing = sorted(own.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - own.keys())
+    misshapen = sorted(
+        f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own.keys() & weights.keys()
+        if weights[k].shape != own[k].shape
+    )
+    if missing or unexpected or misshapen:
+
+        def show(keys: list[str]) -> str:
+            return ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "") or "none"
+
+        raise ValueError(
+            f"{source} does not fit the model: missing keys: {show(missing)}; unexpected keys: {show(unexpected)}; "
+            f"shape mismatches: {show(misshapen)}"
+        )
+    model.load_state_dict(weights)

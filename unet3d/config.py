@@ -128,6 +128,11 @@ def default_num_workers(cpu_count: int, local_world_size: int) -> int:
     return max(1, min(12, cpu_count // max(local_world_size, 1) - 1))
 
 
+def fit_patch(patch: Sequence[int], shape: Sequence[float], divisor: int) -> tuple[int, int, int]:
+    """`patch`, shrunk on each axis to `shape` rounded up to a multiple of `divisor`."""
+    return tuple(min(int(p), math.ceil(s / divisor) * divisor) for p, s in zip(patch, shape))
+
+
 def resolve(
     cfg: TrainConfig,
     device_type: str,
@@ -144,10 +149,7 @@ def resolve(
     defaults = DEVICE_DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
     features = cfg.features or defaults["features"]
     divisor = 2 ** (len(features) - 1)
-    if cfg.patch_size is None:
-        patch = tuple(min(p, math.ceil(s / divisor) * divisor) for p, s in zip(defaults["patch_size"], median_shape))
-    else:
-        patch = cfg.patch_size
+    patch = fit_patch(defaults["patch_size"], median_shape, divisor) if cfg.patch_size is None else cfg.patch_size
     bad = [p for p in patch if p % divisor]
     if bad:
         raise ValueError(

@@ -1,0 +1,122 @@
+"""evaluate.py: loading any wrapper's weights, choosing the device, and the four outputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import evaluate
+from tests.helpers import run
+from unet3d import UNet3D
+from unet3d.gpus import mask_physical_gpu
+
+FEATURES = (4, 8, 16)
+
+
+@pytest.fixture
+def weights() -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    return UNet3D(1, 3, FEATURES).state_dict()
+
+
+@pytest.mark.parametrize("prefix", ["", "module.", "_orig_mod.", "module._orig_mod."])
+@pytest.mark.parametrize("wrap", [False, True])
+def test_bare_state_dicts_of_every_wrapper_load_identically(weights, prefix, wrap, tmp_path):
+    saved = {prefix + k: v for k, v in weights.items()}
+    torch.save({"state_dict": saved} if wrap else saved, tmp_path / "w.pt")
+    model, cfg, names = evaluate.load_model(tmp_path / "w.pt", torch.device("cpu"))
+    assert cfg is None and names is None and model.features == FEATURES and not model.training
+    loaded = model.state_dict()
+    assert loaded.keys() == weights.keys()
+    assert all(torch.equal(loaded[k], weights[k]) for k in weights)
+
+
+def test_mismatched_weights_name_the_keys(weights, tmp_path):
+    torch.save(weights, tmp_path / "w.pt")
+    with pytest.raises(ValueError, match="does not fit the model") as err:
+        evaluate.load_model(tmp_path / "w.pt", torch.device("cpu"), {"features": [4, 8, 16, 32]})
+    message = str(err.value)
+    assert "missing keys: decoder.2.conv.0.bias" in message and "and 10 more; unexpected keys: none" in message
+    assert "decoder.0.conv.0.weight (8, 16, 3, 3, 3) vs (16, 32, 3, 3, 3)" in message
+    del weights["head.bias"]
+    weights["extra.weight"] = torch.zeros(1)
+    torch.save(weights, tmp_path / "w2.pt")
+    with pytest.raises(ValueError, match=r"missing keys: head.bias; unexpected keys: extra.weight"):
+        evaluate.load_model(tmp_path / "w2.pt", torch.device("cpu"))
+
+
+def test_prediction_keeps_shape_affine_and_labels(tmp_path):
+    affine = np.array([[0, -0.7, 0, 10], [0.9, 0, 0, -5], [0, 0, 2.5, 3], [0, 0, 0, 1]])
+    image = nib.Nifti1Image(np.random.default_rng(0).normal(size=(6, 5, 4, 2)).astype(np.float32), affine)
+    image.header.set_slope_inter(2.0, 7.0)  # the image's scaling must not apply to the labels
+    pred = np.random.default_rng(1).integers(0, 3, (6, 5, 4)).astype(np.uint8)
+    evaluate.save_prediction(pred, image, tmp_path / "p.nii.gz")
+    back = nib.load(tmp_path / "p.nii.gz")
+    assert back.shape == (6, 5, 4) and back.get_data_dtype() == np.uint8
+    np.testing.assert_allclose(back.affine, affine)
+    np.testing.assert_array_equal(np.asarray(back.dataobj), pred)
+
+
+def test_gpu_mask_is_set_before_cuda_and_refused_after(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    mask_physical_gpu(5)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "5" and os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="already initialised"):
+        mask_physical_gpu(6)
+
+
+def test_gpu_option_on_a_machine_without_that_gpu_fails_clearly(weights, tmp_path):
+    torch.save(weights, tmp_path / "w.pt")
+    result = run(["python", "evaluate.py", "--checkpoint", str(tmp_path / "w.pt"), "--gpu", "3"], timeout=60)
+    assert result.returncode == 2
+    assert "--gpu 3: no such GPU is visible (CUDA_VISIBLE_DEVICES=3, PCI bus order)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_outputs_for_a_bare_state_dict_on_the_test_split(weights, tiny_dataset, tmp_path, capsys):
+    torch.save({"module." + k: v for k, v in weights.items()}, tmp_path / "w.pt")
+    out = tmp_path / "eval"
+    argv = [
+        "--checkpoint",
+        str(tmp_path / "w.pt"),
+        "--data-dir",
+        str(tiny_dataset),
+        "--split",
+        "test",
+        "--out-dir",
+        str(out),
+        "--device",
+        "cpu",
+        "--window",
+        "16",
+        "--sw-batch-size",
+        "3",
+    ]
+    assert evaluate.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "organ" in printed and "lesion" in printed and "mean Dice" in printed
+    rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
+    assert {r["case"] for r in rows} == {"synth_006", "synth_007"} and len(rows) == 4
+    assert {"dice", "iou", "hd95_mm", "pred_volume_ml", "ref_volume_ml"} <= rows[0].keys()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_cases"] == 2 and summary["split"] == "test" and summary["config"] is None
+    assert summary["checkpoint"] == str((tmp_path / "w.pt").resolve())
+    dice_means = [summary["classes"][c]["dice"]["mean"] for c in ("organ", "lesion")]
+    assert summary["mean_dice"] == pytest.approx(np.mean(dice_means))
+    for r in rows:
+        assert 0 <= float(r["dice"]) <= 1
+    for name in ("synth_006", "synth_007"):
+        pred = nib.load(out / "predictions" / f"{name}.nii.gz")
+        image = nib.load(tiny_dataset / "imagesTs" / f"{name}.nii.gz")
+        assert pred.shape == image.shape and np.allclose(pred.affine, image.affine)
+    picture = Image.open(out / "overview.png")
+    assert picture.mode == "RGB" and picture.width > 3 * 16
