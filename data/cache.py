@@ -18,18 +18,20 @@ from pathlib import Path
 
 import numpy as np
 
+from data.check import case_problems
 from data.msd import Case
 from data.nifti import load_image, load_label, normalize
 from data.patches import PreparedCase, foreground_coords
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
-def _stamp(case: Case, modalities: Sequence[str]) -> dict:
+def _stamp(case: Case, modalities: Sequence[str], num_classes: int) -> dict:
     files = [case.image, case.label]
     return {
         "version": CACHE_VERSION,
         "modalities": list(modalities),
+        "num_classes": num_classes,
         "sources": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
     }
 
@@ -43,14 +45,18 @@ def _paths(cache_dir: Path, name: str) -> dict[str, Path]:
     }
 
 
-def is_fresh(case: Case, modalities: Sequence[str], cache_dir: str | Path) -> bool:
-    """Whether the cached files of `case` exist and were made from its current source files."""
+def is_fresh(case: Case, modalities: Sequence[str], num_classes: int, cache_dir: str | Path) -> bool:
+    """Whether the cached files of `case` exist and were made (and checked) from its current source files."""
     paths = _paths(Path(cache_dir), case.name)
     try:
         meta = json.loads(paths["meta"].read_text())
     except (OSError, ValueError):
         return False
-    return meta.get("stamp") == _stamp(case, modalities) and all(p.is_file() for p in paths.values())
+    try:
+        stamp = _stamp(case, modalities, num_classes)
+    except OSError:
+        return False
+    return meta.get("stamp") == stamp and all(p.is_file() for p in paths.values())
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
@@ -64,31 +70,38 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
         raise
 
 
-def write_case(case: Case, modalities: Sequence[str], cache_dir: str | Path) -> None:
-    """Decode, check and normalise one case and write its cache files (meta last)."""
+def write_case(case: Case, modalities: Sequence[str], num_classes: int, cache_dir: str | Path) -> None:
+    """Decode, check (`data.check.case_problems`) and normalise one case; write its cache files, meta last.
+
+    Raises:
+        ValueError: naming every problem of the case with its file.
+    """
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    image, _ = load_image(case.image)
-    label, _ = load_label(case.label)
-    if image.shape[1:] != label.shape:
-        raise ValueError(
-            f"case {case.name}: image {case.image} has spatial shape {image.shape[1:]} "
-            f"but label {case.label} has {label.shape}"
-        )
+    image, image_nii = load_image(case.image)
+    label, label_nii = load_label(case.label)
+    problems = case_problems(case, image, image_nii, label, label_nii, num_classes)
+    if problems:
+        raise ValueError("; ".join(problems))
     fg = foreground_coords(label)
     rows = [np.column_stack([np.full(len(c), k, np.int32), c]) for k, c in sorted(fg.items())]
     paths = _paths(cache_dir, case.name)
     _save_npy(paths["image"], normalize(image, modalities))
     _save_npy(paths["label"], label)
     _save_npy(paths["fg"], np.concatenate(rows) if rows else np.zeros((0, 4), np.int32))
-    meta = {"stamp": _stamp(case, modalities), "shape": list(label.shape), "channels": image.shape[0]}
+    meta = {"stamp": _stamp(case, modalities, num_classes), "shape": list(label.shape), "channels": image.shape[0]}
     tmp = paths["meta"].with_name(f".{paths['meta'].name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(meta))
     os.replace(tmp, paths["meta"])
 
 
 def build_cache(
-    cases: Sequence[Case], modalities: Sequence[str], cache_dir: str | Path, shard: int = 0, num_shards: int = 1
+    cases: Sequence[Case],
+    modalities: Sequence[str],
+    num_classes: int,
+    cache_dir: str | Path,
+    shard: int = 0,
+    num_shards: int = 1,
 ) -> list[str]:
     """Write the stale cases of shard `shard` of `num_shards` (cases[shard::num_shards]).
 
@@ -98,8 +111,8 @@ def build_cache(
     errors = []
     for case in list(cases)[shard::num_shards]:
         try:
-            if not is_fresh(case, modalities, cache_dir):
-                write_case(case, modalities, cache_dir)
+            if not is_fresh(case, modalities, num_classes, cache_dir):
+                write_case(case, modalities, num_classes, cache_dir)
         except (OSError, ValueError) as e:
             errors.append(f"{case.name}: {e}")
     return errors

@@ -73,8 +73,8 @@ def _resolve(root: Path, rel: str) -> Path:
     return (root / rel).resolve() if not Path(rel).is_absolute() else Path(rel)
 
 
-def load_dataset_json(data_dir: str | Path) -> DatasetSpec:
-    """Parse `data_dir/dataset.json`; every listed training image and label must exist.
+def load_dataset_json(data_dir: str | Path, require_files: bool = True) -> DatasetSpec:
+    """Parse `data_dir/dataset.json`; with `require_files`, every listed image and label must exist.
 
     Raises:
         FileNotFoundError: no dataset.json, or listed files that are missing (all of them named).
@@ -113,7 +113,7 @@ def load_dataset_json(data_dir: str | Path) -> DatasetSpec:
         raise ValueError(f"{source}: training case names are not unique")
     missing = [str(p) for c in training for p in (c.image, c.label) if not p.is_file()]
     missing += [str(c.image) for c in test if not c.image.is_file()]
-    if missing:
+    if missing and require_files:
         raise FileNotFoundError(f"{source} lists {len(missing)} missing file(s): " + ", ".join(missing))
     return DatasetSpec(root, labels, modality, tuple(training), tuple(test))
 

@@ -33,6 +33,8 @@ def load_label(path: str | Path) -> tuple[np.ndarray, nib.Nifti1Image]:
         data = data[..., 0]
     if data.ndim != 3:
         raise ValueError(f"{path}: expected a 3D label map, got shape {data.shape}")
+    if not np.isfinite(data).all():
+        raise ValueError(f"{path}: label map holds NaN or infinite values")
     rounded = np.rint(data)
     if rounded.min() < 0 or rounded.max() > 255:
         raise ValueError(f"{path}: label values must lie in 0..255, got {rounded.min()}..{rounded.max()}")

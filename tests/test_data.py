@@ -270,10 +270,10 @@ def test_synthetic_dataset_is_deterministic_and_rich(tmp_path):
 def test_cache_round_trip_and_staleness(tiny_dataset, tmp_path):
     spec = load_dataset_json(tiny_dataset)
     cache = tmp_path / "cache"
-    assert build_cache(spec.training, ["MRI"], cache, shard=0, num_shards=2) == []
-    assert build_cache(spec.training, ["MRI"], cache, shard=1, num_shards=2) == []
+    assert build_cache(spec.training, ["MRI"], 3, cache, shard=0, num_shards=2) == []
+    assert build_cache(spec.training, ["MRI"], 3, cache, shard=1, num_shards=2) == []
     case = spec.training[2]
-    assert is_fresh(case, ["MRI"], cache)
+    assert is_fresh(case, ["MRI"], 3, cache)
     cached = open_case(case, cache)
     assert isinstance(cached.image, np.memmap) and not cached.image.flags.writeable
     np.testing.assert_allclose(cached.image, normalize(load_image(case.image)[0], ["MRI"]))
@@ -281,11 +281,11 @@ def test_cache_round_trip_and_staleness(tiny_dataset, tmp_path):
     assert set(cached.fg_coords) == set(np.unique(cached.label)) - {0}
     for cls, coords in cached.fg_coords.items():
         assert (cached.label[tuple(coords.T)] == cls).all()
-    assert not is_fresh(case, ["CT"], cache), "other modalities need another normalisation"
+    assert not is_fresh(case, ["CT"], 3, cache), "other modalities need another normalisation"
     st = case.image.stat()
     os.utime(case.image, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     try:
-        assert not is_fresh(case, ["MRI"], cache), "a changed source file must be rebuilt"
+        assert not is_fresh(case, ["MRI"], 3, cache), "a changed source file must be rebuilt"
     finally:
         os.utime(case.image, ns=(st.st_atime_ns, st.st_mtime_ns))
 
@@ -295,6 +295,6 @@ def test_cache_reports_every_broken_case(tmp_path):
     bad_shape = (np.zeros((4, 4, 4), np.float32), np.zeros((4, 4, 5), np.uint8))
     root = write_msd(tmp_path / "d", {"good": good, "bad1": bad_shape, "bad2": bad_shape})
     spec = load_dataset_json(root)
-    errors = build_cache(spec.training, ["MRI"], tmp_path / "cache")
+    errors = build_cache(spec.training, ["MRI"], 3, tmp_path / "cache")
     assert len(errors) == 2 and all("spatial shape (4, 4, 4)" in e and "(4, 4, 5)" in e for e in errors)
     assert {e.split(":")[0] for e in errors} == {"bad1", "bad2"}

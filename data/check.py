@@ -1,0 +1,60 @@
+"""Checks of a dataset's content, each problem named with its file, so a bad dataset stops a run at once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import nibabel as nib
+import numpy as np
+
+from data.msd import Case, DatasetSpec
+
+AFFINE_ATOL_MM = 1e-3  # image and label affines may differ by rounding, not by geometry
+AFFINE_RTOL = 1e-4
+
+
+def case_problems(
+    case: Case,
+    image: np.ndarray,
+    image_nii: nib.Nifti1Image,
+    label: np.ndarray,
+    label_nii: nib.Nifti1Image,
+    num_classes: int,
+) -> list[str]:
+    """Everything wrong with one case: shapes, affines, non-finite intensities, undeclared label values.
+
+    Args:
+        image: (C, X, Y, Z) intensities as read; label: (X, Y, Z) values as read.
+    """
+    problems = []
+    if image.shape[1:] != label.shape:
+        problems.append(f"{case.image} has spatial shape {image.shape[1:]} but {case.label} has {label.shape}")
+    elif not np.allclose(image_nii.affine, label_nii.affine, atol=AFFINE_ATOL_MM, rtol=AFFINE_RTOL):
+        gap = float(np.abs(image_nii.affine - label_nii.affine).max())
+        problems.append(f"{case.label}: affine differs from that of {case.image} by up to {gap:.4g}")
+    non_finite = int(np.count_nonzero(~np.isfinite(image)))
+    if non_finite:
+        problems.append(f"{case.image}: {non_finite} NaN or infinite value(s)")
+    values = np.unique(label)
+    undeclared = values[values >= num_classes]
+    if len(undeclared):
+        problems.append(
+            f"{case.label}: label value(s) {undeclared.tolist()} not declared in dataset.json "
+            f"'labels' (0..{num_classes - 1})"
+        )
+    return problems
+
+
+def missing_files(cases: Sequence[Case]) -> list[str]:
+    """A problem line for every listed image or label that does not exist."""
+    return [f"{p}: listed in dataset.json but missing" for c in cases for p in (c.image, c.label) if not p.is_file()]
+
+
+def split_problems(spec: DatasetSpec, num_val: int, world_size: int) -> list[str]:
+    """The validation split must give every rank at least one case."""
+    if num_val < world_size:
+        return [
+            f"{spec.root / 'dataset.json'}: {num_val} validation case(s) for {world_size} ranks; raise "
+            "--val-fraction or add cases so every rank validates at least one"
+        ]
+    return []
