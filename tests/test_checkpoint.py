@@ -1,15 +1,20 @@
 from __future__ import annotations
 
 import ast
+import errno
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from unet3d import UNet3D
-from unet3d.checkpoint import load_checkpoint, save_checkpoint, strip_wrapper_prefixes
+from tests.helpers import spawn_ranks
+from unet3d import UNet3D, dist
+from unet3d.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, strip_wrapper_prefixes
+from unet3d.resume import LAST, PREVIOUS, find_resume
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,3 +95,77 @@ def test_every_torch_load_passes_map_location_and_weights_only():
                 keywords = {k.arg for k in node.keywords}
                 calls.append((path.name, {"map_location", "weights_only"} <= keywords))
     assert calls and all(ok for _, ok in calls), calls
+
+
+def _write_pair(folder):
+    """last.pt and previous.pt as a run leaves them after two epochs."""
+    state = {k: {} for k in ("model", "optimizer", "scheduler", "scaler", "config", "model_args")}
+    save_checkpoint({**state, "epoch": 1, "best_metric": 0.1}, folder / LAST, previous=folder / PREVIOUS)
+    save_checkpoint({**state, "epoch": 2, "best_metric": 0.2}, folder / LAST, previous=folder / PREVIOUS)
+    return folder / LAST
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "byte-flipped"])
+def test_unreadable_last_checkpoint_falls_back_to_the_previous_one(tmp_path, damage):
+    last = _write_pair(tmp_path / "checkpoints")
+    data = last.read_bytes()
+    if damage == "truncated":
+        last.write_bytes(data[: len(data) // 2])
+    elif damage == "empty":
+        last.write_bytes(b"")
+    else:
+        flipped = bytearray(data)
+        for i in range(len(flipped) // 3, len(flipped) // 3 + 64):
+            flipped[i] ^= 0xFF
+        last.write_bytes(bytes(flipped))
+    warnings = []
+    path, state = find_resume("auto", tmp_path, "cpu", warnings.append)
+    assert path.name == "previous.pt" and state["epoch"] == 1
+    assert len(warnings) == 1 and str(last) in warnings[0]
+
+
+def test_unreadable_checkpoints_are_never_silently_ignored(tmp_path):
+    last = _write_pair(tmp_path / "checkpoints")
+    last.write_bytes(b"junk")
+    (tmp_path / "checkpoints" / "previous.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no usable checkpoint.*--resume none starts over"):
+        find_resume("auto", tmp_path, "cpu", lambda message: None)
+    assert find_resume("none", tmp_path, "cpu", lambda message: None) is None
+    assert find_resume("auto", tmp_path / "elsewhere", "cpu", lambda message: None) is None
+    with pytest.raises(CheckpointError, match=str(last)):
+        find_resume(str(last), tmp_path, "cpu", lambda message: None)
+
+
+def _failing_save(info, folder) -> None:
+    """Rank 0's save fails with a full disk; every rank must learn it at once instead of waiting."""
+
+    def full_disk():
+        save_checkpoint({"epoch": 1}, folder / "last.pt", previous=folder / "previous.pt")
+        original = torch.save
+
+        def partial(obj, f):
+            f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        torch.save = partial
+        try:
+            save_checkpoint({"epoch": 2}, folder / "last.pt", previous=folder / "previous.pt")
+        finally:
+            torch.save = original
+
+    began = time.monotonic()
+    try:
+        dist.run_on_main(full_disk)
+        outcome = "saved"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    (folder / f"rank{info.rank}.json").write_text(json.dumps([outcome, time.monotonic() - began]))
+
+
+def test_a_failed_save_leaves_the_last_checkpoint_and_no_rank_waiting(tmp_path):
+    spawn_ranks(_failing_save, 2, tmp_path, timeout=60)
+    outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert outcomes[0][0] == "OSError: [Errno 28] No space left on device"
+    assert outcomes[1][0].startswith("RuntimeError: rank 0 failed: OSError") and outcomes[1][1] < 10
+    assert load_checkpoint(tmp_path / "last.pt", "cpu")["epoch"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".pt") == ["last.pt"]

@@ -12,11 +12,16 @@ import torch
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
 
 
-def save_checkpoint(state: Mapping[str, Any], path: str | Path) -> None:
+class CheckpointError(ValueError):
+    """A checkpoint file exists but cannot be used."""
+
+
+def save_checkpoint(state: Mapping[str, Any], path: str | Path, previous: str | Path | None = None) -> None:
     """Write `state` to `path` through a temporary file in the same folder, fsynced, then renamed.
 
-    A reader never sees a half-written file; on failure the temporary file is removed and any previous
-    checkpoint at `path` is left as it was.
+    A reader never sees a half-written file; on failure (a full disk, say) the temporary file is removed
+    and the checkpoints already there are left as they were. With `previous`, the file `path` held until
+    now is kept under that name, so one unreadable checkpoint never leaves nothing to resume from.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -26,6 +31,8 @@ def save_checkpoint(state: Mapping[str, Any], path: str | Path) -> None:
             torch.save(dict(state), f)
             f.flush()
             os.fsync(f.fileno())
+        if previous is not None and path.exists():
+            os.replace(path, previous)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -38,11 +45,52 @@ def save_checkpoint(state: Mapping[str, Any], path: str | Path) -> None:
 
 
 def load_checkpoint(path: str | Path, device: torch.device | str) -> dict[str, Any]:
-    """Load a checkpoint with every tensor mapped to `device`, refusing pickled code (weights_only)."""
+    """Load a checkpoint with every tensor mapped to `device`, refusing pickled code (weights_only).
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: the file is empty, truncated, corrupted, not a dict, or would run code.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    return torch.load(path, map_location=device, weights_only=True)
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # zip, pickle and EOF errors all mean the same here: unusable
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot read checkpoint {path}: {reason}") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"cannot read checkpoint {path}: holds a {type(state).__name__}, not a dict")
+    return state
+
+
+def load_resumable(
+    candidates: Iterable[str | Path], device: torch.device | str, required: Iterable[str], warn
+) -> tuple[Path, dict[str, Any]] | None:
+    """The first of `candidates` that exists and loads with the `required` keys; None if none exists.
+
+    A candidate that exists but can't be used is reported through `warn` and the next one is tried;
+    when files exist and none can be used, that is an error, never a silent fresh start.
+    """
+    problems = []
+    for candidate in map(Path, candidates):
+        if not candidate.exists():
+            continue
+        try:
+            state = load_checkpoint(candidate, device)
+            missing = sorted(set(required) - state.keys())
+            if missing:
+                raise CheckpointError(f"cannot resume from {candidate}: it lacks {missing}")
+        except CheckpointError as e:
+            problems.append(str(e))
+            warn(f"{e}; trying the previous checkpoint")
+            continue
+        return candidate, state
+    if problems:
+        raise CheckpointError(
+            "no usable checkpoint to resume from: " + "; ".join(problems) + " (--resume none starts over)"
+        )
+    return None
 
 
 def strip_wrapper_prefixes(state_dict: Mapping[str, Any], expected_keys: Iterable[str] | None = None) -> dict[str, Any]:
