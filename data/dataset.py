@@ -7,11 +7,12 @@ patches, and a sample is the same whatever the number of ranks or workers (which
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from data.augment import augment
 from data.patches import PreparedCase, sample_patch
@@ -75,7 +76,43 @@ class EpochSampler(DistributedSampler):
 
     Call `set_epoch(epoch)` before every epoch, as with DistributedSampler: the shuffle order changes
     with it, and persistent DataLoader workers learn the epoch from the keys they receive.
+    `set_epoch(epoch, skip=n)` leaves out this rank's first n indices of the epoch: a run stopped in the
+    middle of an epoch resumes where it was, with no sample trained twice or skipped.
     """
 
+    skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        if not 0 <= skip <= self.num_samples:
+            raise ValueError(f"cannot skip {skip} of this rank's {self.num_samples} samples")
+        super().set_epoch(epoch)
+        self.skip = skip
+
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        return ((self.epoch, int(i)) for i in super().__iter__())
+        indices = list(super().__iter__())[self.skip :]
+        return ((self.epoch, int(i)) for i in indices)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader worker_init_fn: SIGINT and SIGTERM are the training process's to handle.
+
+    A Ctrl-C reaches every process of the terminal's group; workers that died of it would break the
+    training process's graceful stop. They end with their parent instead.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def close_loader(loader: DataLoader) -> None:
+    """Stop a DataLoader's persistent worker processes now.
+
+    After an exception the iterator that owns them stays referenced by the traceback, and since the
+    workers ignore SIGTERM (`ignore_stop_signals`), the interpreter's exit would wait for them forever.
+    """
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+        loader._iterator = None

@@ -39,6 +39,22 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def parse_duration(text: str | float) -> float:
+    """'5400', '90.5' or '01:30:00' (HH:MM:SS, or MM:SS) -> seconds."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    try:
+        parts = [float(p) for p in str(text).split(":")]
+    except ValueError as e:
+        raise ValueError(f"--time-limit {text!r}: give seconds or HH:MM:SS") from e
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts):
+        raise ValueError(f"--time-limit {text!r}: give seconds or HH:MM:SS")
+    seconds = 0.0
+    for p in parts:
+        seconds = seconds * 60 + p
+    return seconds
+
+
 def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
@@ -81,7 +97,24 @@ class TrainConfig:
     val_every: int = _f(1, "validate every this many epochs (and after the last)")
     val_overlap: float = _f(0.5, "sliding-window overlap during validation")
     num_workers: int | None = _f(None, "DataLoader workers per process (default: from CPUs per local rank)")
-    resume: str = _f("auto", "auto (OUT/checkpoints/last.pt if it exists), none, or a checkpoint path")
+    resume: str = _f(
+        "auto", "auto (OUT/checkpoints/last.pt, else previous.pt, if one exists), none, or a checkpoint path"
+    )
+    time_limit: float | None = _f(
+        None,
+        "stop gracefully before this many seconds (or HH:MM:SS); the learning rate anneals over the budget "
+        "and a last validation fits in it",
+        type=parse_duration,
+        metavar="SECONDS|HH:MM:SS",
+    )
+    max_bad_steps: int = _f(5, "stop after this many consecutive steps skipped for a non-finite loss or gradient")
+    dist_timeout: float = _f(900.0, "seconds a collective may wait for the other ranks before the job fails")
+    setup_timeout: float = _f(
+        60.0, "seconds for the ranks to connect; a hung reconnection after a restart fails this fast"
+    )
+    prepare_only: bool = _f(
+        False, "check the dataset and resume checkpoint, build the cache, then exit (launch.sh runs this first)"
+    )
 
     def __post_init__(self) -> None:
         for name, allowed in CHOICES.items():
@@ -93,7 +126,15 @@ class TrainConfig:
             self.features = tuple(int(f) for f in self.features)
             if len(self.features) < 2 or min(self.features) < 1:
                 raise ValueError(f"--features needs at least two positive ints, got {self.features}")
-        positive = ["batch_size", "val_every", "synthetic_cases", "synthetic_size", "epochs", "samples_per_epoch"]
+        positive = [
+            "batch_size",
+            "val_every",
+            "synthetic_cases",
+            "synthetic_size",
+            "epochs",
+            "samples_per_epoch",
+            "max_bad_steps",
+        ]
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -112,6 +153,11 @@ class TrainConfig:
             raise ValueError(f"--val-overlap must be in [0, 1), got {self.val_overlap}")
         if self.num_workers is not None and self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.time_limit is not None and not self.time_limit > 0:
+            raise ValueError(f"--time-limit must be > 0 seconds, got {self.time_limit}")
+        for name in ("dist_timeout", "setup_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
 
 
 def _triple(value: int | Sequence[int], name: str) -> tuple[int, int, int]:
@@ -181,15 +227,19 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(TrainConfig):
         shown = (
             ""
-            if f.default is None
+            if f.default is None or isinstance(f.default, bool)
             else f" (default: {f.default:.3g})"
             if isinstance(f.default, float)
             else (f" (default: {f.default})")
         )
         kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata["help"] + shown}
         hint = str(hints[f.name])
-        if "nargs" in f.metadata:
+        if "type" in f.metadata:
+            kwargs.update(type=f.metadata["type"], metavar=f.metadata["metavar"])
+        elif "nargs" in f.metadata:
             kwargs.update(nargs=f.metadata["nargs"], type=int, metavar="N")
+        elif hint == "bool":
+            kwargs["action"] = "store_true"
         elif f.name in CHOICES:
             kwargs["choices"] = CHOICES[f.name]
         elif hint.startswith("int"):

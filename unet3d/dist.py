@@ -58,11 +58,13 @@ def read_env() -> tuple[int, int, int, int]:
     return rank, local_rank, world_size, local_world_size
 
 
-def setup(timeout: timedelta | None = None) -> DistInfo:
+def setup(timeout: timedelta | None = None, setup_timeout: timedelta | None = None) -> DistInfo:
     """Bind this process to its device, then create the process group (nccl on GPUs, else gloo).
 
     The device is bound before the process group exists and before any CUDA work, so no rank ever
-    creates a context on a GPU other than its own.
+    creates a context on a GPU other than its own. Connecting uses `setup_timeout`, so a restarted group
+    whose connection hangs fails fast and torchrun can try again; once every rank has answered a first
+    barrier, collectives get `timeout`.
     """
     rank, local_rank, world_size, local_world_size = read_env()
     if torch.cuda.is_available():
@@ -79,7 +81,12 @@ def setup(timeout: timedelta | None = None) -> DistInfo:
         device = torch.device("cpu")
         backend = "gloo"
     if world_size > 1:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend, timeout=setup_timeout or timeout, device_id=device if device.type == "cuda" else None
+        )
+        if setup_timeout is not None and timeout is not None and setup_timeout != timeout:
+            barrier()  # every rank connected within setup_timeout
+            dist.distributed_c10d._set_pg_timeout(timeout)
     return DistInfo(rank, local_rank, world_size, local_world_size, device)
 
 
@@ -138,6 +145,29 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def run_on_local_main(fn: Callable[[], T], info: DistInfo) -> T:
+    """Run `fn` on local rank 0 of every node and hand each node's result to its ranks; any failure to all.
+
+    For work whose result lives on a node's own disk (a generated dataset, a cache). Ranks are numbered
+    contiguously per node, so a node's local rank 0 is global rank `rank - local_rank`.
+    """
+    result: tuple[bool, Any] = (True, None)
+    error: Exception | None = None
+    if info.local_rank == 0:
+        try:
+            result = (True, fn())
+        except Exception as e:  # handed to the node's ranks, re-raised below
+            error = e
+            result = (False, f"{type(e).__name__}: {e}")
+    results = all_gather_object(result)
+    if error is not None:
+        raise error
+    failures = sorted({value for ok, value in results if not ok})
+    if failures:  # every rank stops, not just the failing node's
+        raise RuntimeError("a node's local rank 0 failed: " + "; ".join(failures))
+    return results[info.rank - info.local_rank][1]
 
 
 def run_on_main(fn: Callable[[], T]) -> T:

@@ -1,7 +1,8 @@
-"""One training epoch: the step, the progress bar on rank 0, and the epoch's statistics over all ranks."""
+"""One training epoch: the step, the per-step agreement between ranks, the progress bar on rank 0."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -12,21 +13,40 @@ from tqdm import tqdm
 
 from unet3d import dist
 from unet3d.amp import autocast
+from unet3d.control import StepControl
+from unet3d.logs import get_logger
 from unet3d.optim import ProgressSchedule
 
 POSTFIX_EVERY = 5  # steps between progress-bar loss readings (each one waits for the GPU)
+GRAD_CLIP = 12.0  # gradient-norm clipping, as nnU-Net
+
+
+@dataclass
+class EpochCarry:
+    """The part of an epoch trained before a stop, carried into the resumed run (totals over all ranks)."""
+
+    step: int = 0  # steps of the epoch already trained
+    loss_sum: float = 0.0
+    samples: int = 0
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
 class EpochStats:
-    loss: float  # mean training loss over every rank's samples
+    loss: float  # mean training loss over every rank's samples (skipped steps left out)
     samples: int  # samples trained on, all ranks
     seconds: float
     lr: float  # learning rate at the epoch's last step
+    steps_done: int  # steps of this epoch trained so far, carried ones included
+    skipped: int  # steps skipped for a non-finite loss or gradient
+    stopped: str | None  # why training stopped inside this epoch, or None when it completed
 
     @property
     def samples_per_s(self) -> float:
         return self.samples / max(self.seconds, 1e-9)
+
+    def carry(self) -> EpochCarry:
+        return EpochCarry(self.steps_done, self.loss * self.samples, self.samples, self.seconds)
 
 
 def train_one_epoch(
@@ -41,35 +61,68 @@ def train_one_epoch(
     device: torch.device,
     epoch: int,
     epochs: int,
+    control: StepControl,
+    carry: EpochCarry | None = None,
+    fault_steps: frozenset[int] = frozenset(),
 ) -> EpochStats:
-    """Train `steps` batches of (image (B, C, X, Y, Z), label (B, X, Y, Z)); every rank must call this.
+    """Train the epoch's remaining batches of (image (B, C, X, Y, Z), label (B, X, Y, Z)).
 
-    The learning rate follows training progress (epoch + step / steps) / epochs before every step.
+    Every rank must call this. `steps` is the whole epoch's length; `carry` the part already trained, in
+    which case `loader` yields only the remaining batches. Before each step the learning rate follows
+    training progress; after each backward pass the ranks agree (`StepControl.agree`) whether to skip the
+    step (a non-finite loss or gradient anywhere) and whether to stop after it.
     """
+    carry = carry or EpochCarry()
     model.train()
+    log = get_logger()
     world = dist.get_world_size()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    seen = 0
-    bar = tqdm(total=steps, desc=f"train {epoch + 1}/{epochs}", disable=not dist.is_main(), dynamic_ncols=True)
+    seen, skipped, stopped, step = 0, 0, None, carry.step
+    elapsed = control.elapsed()
+    bar = tqdm(
+        total=steps,
+        initial=carry.step,
+        desc=f"train {epoch + 1}/{epochs}",
+        disable=not dist.is_main(),
+        dynamic_ncols=True,
+    )
     start = time.perf_counter()
-    for step, (image, label) in enumerate(loader):
-        schedule.set_progress((epoch + step / steps) / epochs)
+    for step, (image, label) in enumerate(loader, start=carry.step):
+        schedule.set_progress(control.progress((epoch + step / steps) / epochs, elapsed))
         image = image.to(device, non_blocking=True)
         label = label.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         with autocast(device, amp_dtype):
             loss = loss_fn(model(image), label)
+        if epoch * steps + step in fault_steps:
+            loss = loss * math.nan
         scaler.scale(loss).backward()
-        scaler.step(optimizer)
+        scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        # With fp16 the GradScaler itself skips steps with overflowing gradients; a NaN loss counts anyway.
+        local_bad = ~torch.isfinite(loss.detach()) | (~torch.isfinite(grad_norm) & (not scaler.is_enabled()))
+        verdict = control.agree(local_bad)
+        elapsed = verdict.elapsed
+        if verdict.skip:
+            skipped += 1
+            optimizer.zero_grad(set_to_none=True)
+            log.warning(f"epoch {epoch + 1} step {step + 1}: skipped, a rank saw a non-finite loss or gradient")
+        else:
+            scaler.step(optimizer)
+            loss_sum += loss.detach().double() * len(image)
+            seen += len(image)
         scaler.update()
-        loss_sum += loss.detach().double() * len(image)
-        seen += len(image)
         bar.update(1)
         if not bar.disable and (step % POSTFIX_EVERY == 0 or step == steps - 1):
-            rate = seen * world / (time.perf_counter() - start)
+            rate = seen * world / max(time.perf_counter() - start, 1e-9)
             bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}", samples_s=f"{rate:.1f}")
+        if verdict.stop is not None:
+            stopped = verdict.stop
+            break
     bar.close()
     totals = dist.all_reduce_sum(torch.stack([loss_sum, torch.tensor(seen, dtype=torch.float64, device=device)]))
-    seconds = time.perf_counter() - start
-    total_seen = int(totals[1].item())
-    return EpochStats(totals[0].item() / max(total_seen, 1), total_seen, seconds, schedule.get_last_lr()[0])
+    loss_total = totals[0].item() + carry.loss_sum
+    samples = int(totals[1].item()) + carry.samples
+    seconds = time.perf_counter() - start + carry.seconds
+    done = step + 1 if stopped is not None else steps
+    return EpochStats(loss_total / max(samples, 1), samples, seconds, schedule.get_last_lr()[0], done, skipped, stopped)

@@ -12,11 +12,17 @@ from unet3d.validation import ValResult
 def epoch_summary(
     done: int, epochs: int, stats: EpochStats, val: ValResult | None, class_names: Sequence[str], is_best: bool
 ) -> str:
-    """One line: loss, learning rate, time and throughput, and the validation Dice when there is one."""
+    """One line: loss, learning rate, time and throughput, and the validation Dice when there is one.
+
+    An epoch cut short by a stop reads "epoch 3/10 stopped at step 7: ..." so that "epoch 3/10:" appears
+    once per completed epoch.
+    """
+    where = f"epoch {done}/{epochs}" + (f" stopped at step {stats.steps_done}" if stats.stopped else "")
     line = (
-        f"epoch {done}/{epochs}: loss {stats.loss:.4f}, lr {stats.lr:.2e}, "
-        f"{stats.seconds:.1f} s, {stats.samples_per_s:.1f} samples/s"
+        f"{where}: loss {stats.loss:.4f}, lr {stats.lr:.2e}, {stats.seconds:.1f} s, {stats.samples_per_s:.1f} samples/s"
     )
+    if stats.skipped:
+        line += f", {stats.skipped} step(s) skipped"
     if val is not None:
         per_class = ", ".join(f"{n} {v:.3f}" for n, v in zip(class_names[1:], val.per_class))
         line += f", val Dice {val.mean_dice:.4f} ({per_class})" + (" new best" if is_best else "")
