@@ -15,9 +15,19 @@ Usage: bash launch.sh GPU_IDS|cpu[:N] [train_ddp.py options]
             the cores among them.
 
 Every other argument goes to train_ddp.py unchanged; `python train_ddp.py --help` lists them.
+Before starting the ranks, `train_ddp.py --prepare-only` checks the dataset and the checkpoint to resume
+from (and builds the preprocessing cache), so bad input stops the job once, with one message.
 
-Environment: OMP_NUM_THREADS (threads per process; default: CPUs / processes), TORCHRUN (the torchrun
-command; default: torchrun, else python3 -m torch.distributed.run).
+Environment:
+  MAX_RESTARTS      torchrun restarts all ranks this many times after a failure (default 3); every
+                    restart resumes from the last checkpoint
+  NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT
+                    multi-node: run launch.sh on every node with the same GPU ids; ranks meet through
+                    torchrun's c10d rendezvous at MASTER_ADDR:MASTER_PORT (default port 29500)
+  RDZV_ID           rendezvous id shared by the nodes (default: $SLURM_JOB_ID, else unet3d)
+  OMP_NUM_THREADS   threads per process (default: CPUs / processes)
+  PYTHON, TORCHRUN  the interpreter and the torchrun command (default: python3; torchrun, else
+                    python3 -m torch.distributed.run)
 EOF
 }
 
@@ -39,15 +49,30 @@ esac
 
 spec=$1
 shift
+UNET3D_LAUNCH_TIME=$(date +%s.%N)  # --time-limit counts from here
+export UNET3D_LAUNCH_TIME
+
+PYTHON=${PYTHON:-python3}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+[[ $MAX_RESTARTS =~ ^[0-9]+$ ]] || die "MAX_RESTARTS must be a number >= 0, got '$MAX_RESTARTS'"
+[[ $NNODES =~ ^[0-9]+$ && $NNODES -ge 1 ]] || die "NNODES must be a positive number, got '$NNODES'"
+[[ $NODE_RANK =~ ^[0-9]+$ && $NODE_RANK -lt $NNODES ]] || die "NODE_RANK must be in 0..$((NNODES - 1)), got '$NODE_RANK'"
+if ((NNODES > 1)); then
+  [[ -n ${MASTER_ADDR:-} ]] || die "NNODES=$NNODES needs MASTER_ADDR (the address of the node that hosts the rendezvous)"
+fi
 
 if [[ -n ${TORCHRUN:-} ]]; then
   read -r -a torchrun <<<"$TORCHRUN"
 elif command -v torchrun >/dev/null 2>&1; then
   torchrun=(torchrun)
 else
-  torchrun=(python3 -m torch.distributed.run)
+  torchrun=("$PYTHON" -m torch.distributed.run)
 fi
 cpus=$(nproc)
+who=rank
+((NNODES == 1)) || who="node $NODE_RANK local rank"
 
 if [[ $spec =~ ^cpu(:(.*))?$ ]]; then
   nproc_per_node=${BASH_REMATCH[2]:-2}
@@ -58,7 +83,7 @@ if [[ $spec =~ ^cpu(:(.*))?$ ]]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
   echo "launch.sh: $nproc_per_node CPU process(es), gloo backend, OMP_NUM_THREADS=$OMP_NUM_THREADS"
   for ((i = 0; i < nproc_per_node; i++)); do
-    echo "  rank $i -> cpu"
+    echo "  $who $i -> cpu"
   done
 else
   [[ -n $spec ]] || die "empty GPU list; give ids like 5,6,7 or cpu[:N]"
@@ -87,9 +112,24 @@ else
   echo "launch.sh: CUDA_DEVICE_ORDER=$CUDA_DEVICE_ORDER CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES, $nproc_per_node process(es), nccl backend"
   for i in "${!ids[@]}"; do
     line=${gpus[$((10#${ids[$i]}))]}
-    echo "  rank $i -> cuda:$i -> physical GPU ${ids[$i]}: ${line#GPU *: }"
+    echo "  $who $i -> cuda:$i -> physical GPU ${ids[$i]}: ${line#GPU *: }"
   done
 fi
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-exec "${torchrun[@]}" --standalone --nproc-per-node "$nproc_per_node" "$here/train_ddp.py" "$@"
+
+# Pre-flight: one process, no GPU touched (PyTorch asks NVML, not CUDA, whether GPUs exist).
+WORLD_SIZE=$((nproc_per_node * NNODES)) LOCAL_WORLD_SIZE=$nproc_per_node PYTORCH_NVML_BASED_CUDA_CHECK=1 \
+  "$PYTHON" "$here/train_ddp.py" "$@" --prepare-only || exit $?
+
+# A fresh store for every torchrun restart: with the agent's shared store, a restarted gloo group can read
+# the killed round's peer addresses and fail to connect ("Connection refused") or hang.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+if ((NNODES == 1)) && [[ -z ${MASTER_ADDR:-} ]]; then
+  rendezvous=(--standalone)
+else
+  rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend c10d
+    --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-unet3d}}")
+fi
+exec "${torchrun[@]}" "${rendezvous[@]}" --nproc-per-node "$nproc_per_node" --max-restarts "$MAX_RESTARTS" \
+  "$here/train_ddp.py" "$@"

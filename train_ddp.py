@@ -6,157 +6,107 @@ Reads top to bottom: configuration -> set-up -> data -> model -> loop -> teardow
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import functools
 import math
 import os
 import socket
 import sys
+import time
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from data.cache import build_cache, open_case
-from data.dataset import EpochSampler, PatchDataset
-from data.msd import DatasetSpec, load_dataset_json, split_cases
-from data.synthetic import write_synthetic_dataset
-from unet3d import dist
+from data.cache import open_case
+from data.dataset import EpochSampler, PatchDataset, close_loader, ignore_stop_signals
+from data.prepare import DatasetError, RunData, check_dataset, dataset_problems, resolve_data, unique
+from unet3d import dist, rng
 from unet3d.amp import grad_scaler, resolve_amp
-from unet3d.checkpoint import load_checkpoint, save_checkpoint, strip_wrapper_prefixes
+from unet3d.checkpoint import CheckpointError, save_checkpoint
 from unet3d.config import TrainConfig, parse_args, resolve
-from unet3d.engine import train_one_epoch
-from unet3d.logs import setup_logging
+from unet3d.control import StepControl, TimeBudget, TrainingError, end_job_without_restart, nan_fault_steps
+from unet3d.engine import EpochCarry, train_one_epoch
+from unet3d.logs import file_only, get_logger, setup_logging
 from unet3d.loss import build_loss
 from unet3d.model import UNet3D
 from unet3d.optim import build_optimizer, build_schedule
 from unet3d.report import epoch_summary, log_epoch
-from unet3d.validation import shard, validate
+from unet3d.resume import (
+    BEST,
+    LAST,
+    PREVIOUS,
+    Position,
+    check_compatible,
+    checkpoint_dir,
+    find_resume,
+    restore,
+    training_state,
+)
+from unet3d.validation import ValResult, shard, validate
+
+INPUT_ERRORS = (ValueError, FileNotFoundError)  # bad data, options or checkpoints: exit 2, one message
 
 
-def dataset_dir(cfg: TrainConfig) -> Path:
-    """--data-dir, or the synthetic dataset, written once by rank 0 while the others wait."""
-    if cfg.data_dir is not None:
-        return Path(cfg.data_dir)
-    target = Path(cfg.synthetic_dir) / f"cases{cfg.synthetic_cases}_size{cfg.synthetic_size}_seed{cfg.seed}"
-    return Path(
-        dist.run_on_main(
-            lambda: str(write_synthetic_dataset(target, cfg.synthetic_cases, cfg.synthetic_size, cfg.seed))
-        )
-    )
-
-
-def cache_dir(cfg: TrainConfig, data_dir: Path) -> Path:
-    if cfg.cache_dir is not None:
-        return Path(cfg.cache_dir)
-    digest = hashlib.sha1(str(data_dir.resolve()).encode()).hexdigest()[:8]
-    return Path("runs/cache") / f"{data_dir.resolve().name}-{digest}"
-
-
-def prepare_cache(spec: DatasetSpec, cache: Path, info: dist.DistInfo) -> None:
-    """Every local rank preprocesses its share of the cases; all problems are reported on every rank."""
-    modalities = [spec.modality[i] for i in range(spec.in_channels)]
-    errors = build_cache(spec.training, modalities, cache, info.local_rank, info.local_world_size)
-    problems = [e for rank_errors in dist.all_gather_object(errors) for e in rank_errors]
-    if problems:
-        raise ValueError(f"{len(problems)} case(s) of {spec.root} could not be prepared:\n  " + "\n  ".join(problems))
-
-
-def resume_path(cfg: TrainConfig) -> Path | None:
-    if cfg.resume == "none":
-        return None
-    if cfg.resume == "auto":
-        last = Path(cfg.out_dir) / "checkpoints" / "last.pt"
-        return last if last.exists() else None
-    path = Path(cfg.resume)
-    if not path.is_file():
-        raise FileNotFoundError(f"--resume {cfg.resume}: no such checkpoint")
-    return path
-
-
-def describe_devices(info: dist.DistInfo) -> list[str]:
-    """One line per rank (gathered from all of them): rank, host, device, GPU name and UUID, the GPU mask."""
-    mine = f"rank {info.rank}: host {socket.gethostname()}, local rank {info.local_rank}, device {info.device}"
-    if info.device.type == "cuda":
-        props = torch.cuda.get_device_properties(info.device)
-        mine += f" = {props.name} (UUID GPU-{props.uuid})"
-    mine += f", CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
-    return dist.all_gather_object(mine)
-
-
+@record
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.time()
     cfg = parse_args(argv)
-    info = dist.setup()
+    if cfg.prepare_only:
+        return prepare_only(cfg)
+    info = dist.setup(timedelta(seconds=cfg.dist_timeout), timedelta(seconds=cfg.setup_timeout))
+    log = setup_logging(info.rank, Path(cfg.out_dir) / "logs")
     try:
-        return train(cfg, info)
+        return train(cfg, info, started)
+    except (*INPUT_ERRORS, TrainingError) as e:  # every rank reached the same verdict; rank 0 says it
+        (log.error if info.is_main else lambda m: file_only(log, m))(f"error: {e}")
+        if end_job_without_restart(info.local_rank):
+            file_only(log, "asked torchrun to end the job: a restart would repeat this failure")
+        return 1 if isinstance(e, TrainingError) else 2
     finally:
         dist.cleanup()
 
 
-def train(cfg: TrainConfig, info: dist.DistInfo) -> int:
-    log = setup_logging(info.rank)
+def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
+    log = get_logger()
     device = info.device
     torch.manual_seed(cfg.seed)
 
-    # Data: the dataset (synthetic unless --data-dir), its split, and the preprocessing cache.
-    data_dir = dataset_dir(cfg)
-    spec = load_dataset_json(data_dir)
-    train_cases, val_cases = split_cases(spec.training, cfg.val_fraction, cfg.seed)
-    cache = cache_dir(cfg, data_dir)
-    prepare_cache(spec, cache, info)
-    prepared = [open_case(c, cache) for c in train_cases]
-    my_val = [open_case(c, cache) for c in shard(val_cases, info.rank, info.world_size)]
-    median_shape = np.median([c.label.shape for c in prepared], axis=0)
-    cfg = resolve(
-        dataclasses.replace(cfg, data_dir=str(data_dir)),  # the synthetic dataset's folder is recorded too
-        device.type,
-        info.world_size,
-        median_shape,
-        len(os.sched_getaffinity(0)),
-        info.local_world_size,
-    )
+    # Data: the dataset (synthetic unless --data-dir), its split, checked and cached by the ranks together.
+    run = resolve_data(cfg, lambda make: dist.run_on_local_main(make, info))
+    problems = dataset_problems(run, info.world_size, info.local_rank, info.local_world_size)
+    problems = unique([p for rank_problems in dist.all_gather_object(problems) for p in rank_problems])
+    if problems:
+        raise DatasetError(run.data_dir, problems)
+    prepared = [open_case(c, run.cache) for c in run.train]
+    my_val = [open_case(c, run.cache) for c in shard(run.val, info.rank, info.world_size)]
+    cfg = resolve_config(cfg, run, device, info.world_size, info.local_world_size, prepared)
     amp_dtype = resolve_amp(cfg.amp, device)
+    steps = cfg.samples_per_epoch // (cfg.batch_size * info.world_size)
+    describe_run(cfg, run, info, amp_dtype, steps)
 
-    log.info("devices:\n  " + "\n  ".join(describe_devices(info)))
-    log.info(
-        f"world size {info.world_size}, batch {cfg.batch_size} per process, global batch "
-        f"{cfg.batch_size * info.world_size}, {cfg.num_workers} DataLoader worker(s) per process"
-    )
-    log.info(
-        f"data {data_dir}: {len(train_cases)} training, {len(val_cases)} validation case(s), "
-        f"classes {spec.class_names}, cache {cache}"
-    )
-    log.info(
-        f"precision {amp_dtype or torch.float32}; configuration:\n  "
-        + "\n  ".join(f"{k} = {v}" for k, v in dataclasses.asdict(cfg).items())
-    )
-
-    # Model, optimizer, schedule; weights restored on every rank before DDP wraps the model.
-    model_args = {"in_channels": spec.in_channels, "num_classes": spec.num_classes, "features": cfg.features}
+    # Model, optimizer, schedule; a checkpoint restored on every rank before DDP wraps the model.
+    model_args = {"in_channels": run.spec.in_channels, "num_classes": run.spec.num_classes, "features": cfg.features}
     model = UNet3D(**model_args).to(device)
     optimizer = build_optimizer(
         model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, fused=device.type == "cuda"
     )
     schedule = build_schedule(optimizer, cfg.optimizer)
     scaler = grad_scaler(device, amp_dtype)
-    start_epoch, best = 0, -math.inf
-    resume = resume_path(cfg)
-    if resume is not None:
-        state = load_checkpoint(resume, device)
-        model.load_state_dict(strip_wrapper_prefixes(state["model"], model.state_dict().keys()))
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        start_epoch, best = int(state["epoch"]), float(state["best_metric"])
-        log.info(f"resumed from {resume}: {start_epoch} epoch(s) done, best mean Dice {best:.4f}")
-    ddp = (
-        DDP(model, device_ids=[info.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-        if dist.is_dist()
-        else model
-    )
+    position = Position()
+    source = dist.run_on_main(lambda: resume_source(cfg))
+    if source is not None:
+        position = restore(
+            Path(source), cfg, model_args, model, optimizer, schedule, scaler, info.rank, info.world_size, device,
+            log.warning,
+        )  # fmt: skip
+        log.info(f"resumed from {source}: {position.epoch} epoch(s) and {position.step} step(s) done")
+    ddp = DDP(model, device_ids=[info.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    ddp = ddp if dist.is_dist() else model
     loss_fn = build_loss(cfg.loss)
 
     dataset = PatchDataset(prepared, cfg.patch_size, cfg.samples_per_epoch, cfg.fg_fraction, cfg.seed)
@@ -169,70 +119,194 @@ def train(cfg: TrainConfig, info: dist.DistInfo) -> int:
         pin_memory=device.type == "cuda",
         drop_last=True,
         persistent_workers=cfg.num_workers > 0,
+        worker_init_fn=ignore_stop_signals,
     )
     writer = None
     if info.is_main:
         from torch.utils.tensorboard import SummaryWriter
 
-        writer = SummaryWriter(str(Path(cfg.out_dir) / "tensorboard"), purge_step=start_epoch + 1)
-    ckpt_dir = Path(cfg.out_dir) / "checkpoints"
-    log.info(
-        f"training epochs {start_epoch + 1}..{cfg.epochs}, {len(loader)} step(s) per epoch per process; "
-        f"checkpoints in {ckpt_dir}, TensorBoard logs in {Path(cfg.out_dir) / 'tensorboard'}"
-    )
+        writer = SummaryWriter(str(Path(cfg.out_dir) / "tensorboard"), purge_step=position.epoch + 1)
+    budget = make_budget(cfg, position.budget, started, schedule.progress)
+    control = StepControl(device, cfg.max_bad_steps, budget, started)
+    control.progress_floor = schedule.progress
+    faults = frozenset(nan_fault_steps(info.rank))
+    folder = checkpoint_dir(cfg.out_dir)
 
+    stopped, best = None, position.best
+    control.signal.install()
     try:
-        for epoch in range(start_epoch, cfg.epochs):
-            sampler.set_epoch(epoch)
+        for epoch in range(position.epoch, cfg.epochs):
+            resumed_here = epoch == position.epoch and position.step > 0
+            sampler.set_epoch(epoch, skip=position.step * cfg.batch_size if resumed_here else 0)
             stats = train_one_epoch(
-                ddp, loader, len(loader), loss_fn, optimizer, schedule, scaler, amp_dtype, device, epoch, cfg.epochs
-            )
-            done = epoch + 1
+                ddp, loader, steps, loss_fn, optimizer, schedule, scaler, amp_dtype, device, epoch, cfg.epochs,
+                control, position.carry if resumed_here else None, faults,
+            )  # fmt: skip
+            stopped = stats.stopped
+            done = epoch + 1 if stopped is None else epoch
             val = None
-            if done % cfg.val_every == 0 or done == cfg.epochs:
-                val = validate(
-                    model,
-                    ((c.image, c.label) for c in my_val),
-                    spec.num_classes,
-                    cfg.patch_size,
-                    device,
-                    cfg.val_overlap,
-                    cfg.batch_size,
-                    amp_dtype,
-                )
+            if (stopped is None and (done % cfg.val_every == 0 or done == cfg.epochs)) or (
+                stopped is not None and budget is not None and stopped.startswith("the time limit")
+            ):
+                val = timed_validation(model, my_val, run, cfg, device, amp_dtype, budget)
             is_best = val is not None and val.mean_dice > best
             best = max(best, val.mean_dice) if val is not None else best
+            stopped_at = Position(done, 0 if stopped is None else stats.steps_done, stats.carry(), best)
+            write_checkpoints(model, optimizer, schedule, scaler, stopped_at, cfg, model_args, run, info, budget,
+                              is_best)  # fmt: skip
             if info.is_main:
-                log_epoch(writer, done, stats, val, spec.class_names)
-                state = checkpoint_state(model, optimizer, schedule, scaler, done, best, cfg, model_args, spec)
-                save_checkpoint(state, ckpt_dir / "last.pt")
-                if is_best:
-                    save_checkpoint(state, ckpt_dir / "best.pt")
-                log.info(epoch_summary(done, cfg.epochs, stats, val, spec.class_names, is_best))
+                if stopped is None or val is not None:
+                    log_epoch(writer, epoch + 1, stats, val, run.spec.class_names)
+                log.info(epoch_summary(epoch + 1, cfg.epochs, stats, val, run.spec.class_names, is_best))
+            if stopped is not None:
+                break
     finally:
+        control.signal.uninstall()
+        close_loader(loader)
         if writer is not None:
             writer.close()
-    best_note = f"; best mean Dice {best:.4f}: {ckpt_dir / 'best.pt'}" if best > -math.inf else ""
-    log.info(f"done. checkpoint: {ckpt_dir / 'last.pt'}{best_note}")
+    if stopped is not None:
+        log.info(
+            f"stopped by {stopped} after step {stats.steps_done}/{steps} of epoch {epoch + 1}; checkpoint "
+            f"{folder / LAST} records the position: run the same command again to continue"
+        )
+        return 0
+    best_note = f"; best mean Dice {best:.4f}: {folder / BEST}" if best > -math.inf else ""
+    log.info(f"done. checkpoint: {folder / LAST}{best_note}")
     log.info(f"TensorBoard logs: {Path(cfg.out_dir) / 'tensorboard'} (tensorboard --logdir {cfg.out_dir}/tensorboard)")
     return 0
 
 
-def checkpoint_state(
-    model, optimizer, schedule, scaler, epoch: int, best: float, cfg: TrainConfig, model_args: dict, spec: DatasetSpec
-) -> dict[str, Any]:
-    """Everything needed to resume or evaluate, as plain types loadable with weights_only=True."""
-    return {
-        "model": model.state_dict(),  # the unwrapped model: no `module.` prefix
-        "optimizer": optimizer.state_dict(),
-        "scheduler": schedule.state_dict(),
-        "scaler": scaler.state_dict(),
-        "epoch": epoch,
-        "best_metric": best,
-        "config": dataclasses.asdict(cfg),
-        "model_args": {**model_args, "features": list(model_args["features"])},
-        "class_names": spec.class_names,
-    }
+def timed_validation(model, cases, run: RunData, cfg: TrainConfig, device, amp_dtype, budget) -> ValResult:
+    """Validate on every rank; with a time budget, the time it took (agreed across ranks) sizes the reserve."""
+    began = time.perf_counter()
+    pairs = ((c.image, c.label) for c in cases)
+    val = validate(
+        model, pairs, run.spec.num_classes, cfg.patch_size, device, cfg.val_overlap, cfg.batch_size, amp_dtype
+    )
+    if budget is not None:  # the reserve steers every rank's learning rate: it must be the same everywhere
+        seconds = dist.all_reduce_sum(torch.tensor([time.perf_counter() - began], device=device))
+        budget.plan_reserve(seconds.item() / dist.get_world_size())
+    return val
+
+
+def write_checkpoints(
+    model,
+    optimizer,
+    schedule,
+    scaler,
+    at: Position,
+    cfg: TrainConfig,
+    model_args: dict,
+    run: RunData,
+    info: dist.DistInfo,
+    budget: TimeBudget | None,
+    is_best: bool,
+) -> None:
+    """Every rank: refuse non-finite weights, gather the generator states; rank 0 writes, all learn the outcome."""
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise TrainingError("the weights hold NaN or inf values: refusing to write a checkpoint")
+    states = dist.all_gather_object(rng.capture(info.device))
+    state = None
+    if info.is_main:
+        state = training_state(
+            model=model, optimizer=optimizer, schedule=schedule, scaler=scaler, epoch=at.epoch, step=at.step,
+            partial=at.carry if at.step else EpochCarry(), best=at.best, config=cfg, model_args=model_args,
+            class_names=run.spec.class_names, world_size=info.world_size, rng=states,
+            budget=budget.state_dict() if budget is not None else None,
+        )  # fmt: skip
+    dist.run_on_main(functools.partial(save_all, state, checkpoint_dir(cfg.out_dir), is_best))
+
+
+def resolve_config(cfg: TrainConfig, run: RunData, device, world: int, local_world: int, cases) -> TrainConfig:
+    """Fill the device- and data-dependent defaults; the dataset's folder is recorded too."""
+    median_shape = np.median([c.label.shape for c in cases], axis=0)
+    cpus = len(os.sched_getaffinity(0))
+    cfg = dataclasses.replace(cfg, data_dir=str(run.data_dir))
+    return resolve(cfg, device.type, world, median_shape, cpus, local_world)
+
+
+def resume_source(cfg: TrainConfig) -> str | None:
+    """The checkpoint every rank will load (rank 0 decides, falling back past unreadable files)."""
+    found = find_resume(cfg.resume, cfg.out_dir, "cpu", get_logger().warning)
+    return str(found[0]) if found is not None else None
+
+
+def make_budget(cfg: TrainConfig, saved: dict | None, started: float, progress: float) -> TimeBudget | None:
+    """The --time-limit budget: kept across torchrun restarts of one job, new for a new job."""
+    if cfg.time_limit is None:
+        return None
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", f"pid{os.getpid()}")
+    if saved is not None and saved.get("run_id") == run_id and saved.get("limit_s") == cfg.time_limit:
+        budget = TimeBudget(saved["limit_s"], saved["start_wall"], saved["start_progress"], run_id)
+    else:  # launch.sh records when the job started, so its pre-flight and torchrun's start-up count too
+        budget = TimeBudget(cfg.time_limit, float(os.environ.get("UNET3D_LAUNCH_TIME", started)), progress, run_id)
+    budget.plan_reserve(None)
+    return budget
+
+
+def save_all(state: dict, folder: Path, is_best: bool) -> None:
+    """last.pt (the one it replaces kept as previous.pt) and, at a new best, best.pt."""
+    save_checkpoint(state, folder / LAST, previous=folder / PREVIOUS)
+    if is_best:
+        save_checkpoint(state, folder / BEST)
+
+
+def describe_run(cfg: TrainConfig, run: RunData, info: dist.DistInfo, amp_dtype, steps: int) -> None:
+    """The start-up report: every rank's device, the batch arithmetic, the data and the configuration."""
+    mine = f"rank {info.rank}: host {socket.gethostname()}, local rank {info.local_rank}, device {info.device}"
+    if info.device.type == "cuda":
+        props = torch.cuda.get_device_properties(info.device)
+        mine += f" = {props.name} (UUID GPU-{props.uuid})"
+    mine += f", CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
+    devices = dist.all_gather_object(mine)
+    log = get_logger()
+    log.info("devices:\n  " + "\n  ".join(devices))
+    log.info(
+        f"world size {info.world_size}, batch {cfg.batch_size} per process, global batch "
+        f"{cfg.batch_size * info.world_size}, {steps} step(s) per epoch, {cfg.num_workers} DataLoader worker(s) "
+        "per process"
+    )
+    log.info(
+        f"data {run.data_dir}: {len(run.train)} training, {len(run.val)} validation case(s), "
+        f"classes {run.spec.class_names}, cache {run.cache}"
+    )
+    log.info(
+        f"precision {amp_dtype or torch.float32}; checkpoints in {checkpoint_dir(cfg.out_dir)}, TensorBoard logs "
+        f"in {Path(cfg.out_dir) / 'tensorboard'}, per-rank logs in {Path(cfg.out_dir) / 'logs'}; configuration:\n  "
+        + "\n  ".join(f"{k} = {v}" for k, v in dataclasses.asdict(cfg).items())
+    )
+
+
+def prepare_only(cfg: TrainConfig) -> int:
+    """launch.sh's pre-flight, before any rank starts: one message and exit code 2 for a bad dataset or an
+    unusable checkpoint, so torchrun's restarts never repeat the same failure. Builds the cache meanwhile."""
+    log = setup_logging(0)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    try:
+        run = resolve_data(cfg, lambda make: make())
+        problems = check_dataset(run, world, processes=max(local_world, min(8, os.cpu_count() or 1)))
+        if problems:
+            raise DatasetError(run.data_dir, problems)
+        cases = [open_case(c, run.cache) for c in run.train]
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # NVML only: see launch.sh
+        resolved = resolve_config(cfg, run, device, world, local_world, cases)
+        found = find_resume(cfg.resume, cfg.out_dir, "cpu", log.warning)
+        if found is not None:
+            path, state = found
+            model_args = {
+                "in_channels": run.spec.in_channels,
+                "num_classes": run.spec.num_classes,
+                "features": resolved.features,
+            }
+            check_compatible(state, dataclasses.asdict(resolved), model_args, world, path)
+    except (*INPUT_ERRORS, CheckpointError) as e:
+        log.error(f"error: {e}")
+        return 2
+    note = f"will resume from {found[0]}" if found is not None else "starting fresh"
+    log.info(f"checked {len(run.spec.training)} case(s) of {run.data_dir} (cache {run.cache}); {note}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests.helpers import spawn_ranks
 from unet3d import UNet3D, dist
 from unet3d.amp import grad_scaler
+from unet3d.control import StepControl
 from unet3d.engine import train_one_epoch
 from unet3d.inference import predict
 from unet3d.loss import DiceCELoss
@@ -48,6 +50,7 @@ def one_step(info: dist.DistInfo, out: Path) -> None:
         info.device,
         epoch=0,
         epochs=1,
+        control=StepControl(info.device, max_bad_steps=3, budget=None, start_wall=time.time()),
     )
     if info.is_main:
         torch.save({"model": model.state_dict(), "loss": stats.loss, "samples": stats.samples}, out)

@@ -1,7 +1,8 @@
 """launch.sh: GPU-id validation, masking before Python starts, the rank mapping, option pass-through.
 
-These machines have no GPU: a stand-in `nvidia-smi` on PATH lists four, and a spy in place of torchrun
-(TORCHRUN) records what it would have been started with. The real torchrun runs in test_train_e2e.py.
+These machines have no GPU: a stand-in `nvidia-smi` on PATH lists four, and spies in place of torchrun
+(TORCHRUN) and of the pre-flight's Python (PYTHON) record what they would have been started with. The
+real torchrun and pre-flight run in test_train_e2e.py and test_reliability.py.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,17 +32,24 @@ def env(tmp_path) -> dict[str, str]:
     bin_dir.mkdir()
     listing = "\n".join(GPUS)
     _script(bin_dir / "nvidia-smi", f'#!/bin/sh\n[ "$1" = "-L" ] && cat <<"EOF"\n{listing}\nEOF\n')
-    record = str(tmp_path / "started.json")
-    spy = _script(
-        tmp_path / "torchrun-spy",
-        "#!/usr/bin/env python3\nimport json, os, sys\n"
-        f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({record!r}, 'w'))\n",
-    )
-    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "TORCHRUN": str(spy)}
+    spies = {}
+    for name in ("torchrun", "python"):
+        record = str(tmp_path / f"{name}.json")
+        spies[name] = _script(
+            tmp_path / f"{name}-spy",
+            f"#!{sys.executable}\nimport json, os, sys\n"
+            f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({record!r}, 'w'))\n"
+            "sys.exit(int(os.environ.get('SPY_EXIT', '0')))\n",
+        )
+    return {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "TORCHRUN": str(spies["torchrun"]),
+        "PYTHON": str(spies["python"]),
+    }
 
 
-def started(tmp_path) -> dict | None:
-    path = tmp_path / "started.json"
+def started(tmp_path, name: str = "torchrun") -> dict | None:
+    path = tmp_path / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -67,7 +76,7 @@ def test_bad_ids_are_refused_before_anything_starts(ids, message, env, tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0, "one line"
     assert message in result.stderr
-    assert started(tmp_path) is None, "no process may start"
+    assert started(tmp_path) is None and started(tmp_path, "python") is None, "no process may start"
 
 
 def test_gpu_ids_are_masked_and_mapped(env, tmp_path):
@@ -81,12 +90,18 @@ def test_gpu_ids_are_masked_and_mapped(env, tmp_path):
         "--standalone",
         "--nproc-per-node",
         "2",
+        "--max-restarts",
+        "3",
         str(REPO / "train_ddp.py"),
         "--epochs",
         "5",
         "--out-dir",
         "runs/x y",
     ]
+    preflight = started(tmp_path, "python")
+    assert preflight["argv"] == [str(REPO / "train_ddp.py"), "--epochs", "5", "--out-dir", "runs/x y", "--prepare-only"]
+    assert preflight["env"]["CUDA_VISIBLE_DEVICES"] == "3,1" and preflight["env"]["WORLD_SIZE"] == "2"
+    assert preflight["env"]["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1", "the pre-flight must not initialise CUDA"
     lines = result.stdout.splitlines()
     assert (
         "  rank 0 -> cuda:0 -> physical GPU 3: NVIDIA H100 80GB HBM3 (UUID: GPU-00000003-aaaa-bbbb-cccc-dddddddddddd)"
@@ -122,3 +137,49 @@ def test_missing_nvidia_smi_is_a_clear_error(tmp_path):
     result = run(["bash", "launch.sh", "0"], env={"PATH": "/usr/bin:/bin", "TORCHRUN": str(spy)}, timeout=30)
     assert result.returncode == 2 and "nvidia-smi not found" in result.stderr
     assert not (tmp_path / "started").exists()
+
+
+def test_failed_preflight_starts_no_rank(env, tmp_path):
+    result = run(["bash", "launch.sh", "cpu:2", "--epochs", "1"], env={**env, "SPY_EXIT": "2"}, timeout=30)
+    assert result.returncode == 2
+    assert started(tmp_path, "python") is not None and started(tmp_path) is None
+
+
+def test_restarts_and_multi_node_rendezvous(env, tmp_path):
+    multi = {
+        **env,
+        "NNODES": "2",
+        "NODE_RANK": "1",
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": "29611",
+        "MAX_RESTARTS": "5",
+        "RDZV_ID": "job42",
+    }
+    result = run(["bash", "launch.sh", "0,1", "--epochs", "1"], env=multi, timeout=30)
+    assert result.returncode == 0, result.stderr
+    argv = started(tmp_path)["argv"]
+    assert argv[: argv.index(str(REPO / "train_ddp.py"))] == [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "10.0.0.7:29611",
+        "--rdzv-id",
+        "job42",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "5",
+    ]
+    assert started(tmp_path, "python")["env"]["WORLD_SIZE"] == "4"
+    assert "node 1 local rank 0 -> cuda:0 -> physical GPU 0" in result.stdout
+    for bad, message in [
+        ({"NNODES": "2"}, "needs MASTER_ADDR"),
+        ({"NODE_RANK": "3", "NNODES": "2", "MASTER_ADDR": "x"}, "NODE_RANK must be in 0..1"),
+        ({"MAX_RESTARTS": "many"}, "MAX_RESTARTS"),
+    ]:
+        refused = run(["bash", "launch.sh", "cpu"], env={**env, **bad}, timeout=30)
+        assert refused.returncode == 2 and message in refused.stderr

@@ -118,7 +118,7 @@ def test_resume_continues_with_the_next_epoch(trained):
     tmp, _, _ = trained
     rc, out, err = launch(tmp, *SYNTHETIC, epochs=3)
     assert rc == 0, err
-    assert "resumed from" in out and "2 epoch(s) done" in out
+    assert "resumed from" in out and "2 epoch(s) and 0 step(s) done" in out
     assert "epoch 1/3" not in out and "epoch 3/3: loss" in out
     assert torch.load(tmp / "run/checkpoints/last.pt", map_location="cpu", weights_only=True)["epoch"] == 3
     assert [s for s, _ in scalars(tmp / "run", "train/loss")] == [1, 2, 3]
@@ -148,7 +148,7 @@ def write_two_channel_ct_dataset(root: Path, n: int = 5) -> Path:
 
 def test_trains_on_another_msd_dataset(tmp_path):
     data = write_two_channel_ct_dataset(tmp_path / "Task99_PETCT")
-    rc, out, err = launch(tmp_path, "--data-dir", str(data))
+    rc, out, err = launch(tmp_path, "--data-dir", str(data), "--val-fraction", "0.4")
     assert rc == 0, f"stdout:\n{out}\nstderr:\n{err}"
     state = torch.load(tmp_path / "run/checkpoints/last.pt", map_location="cpu", weights_only=True)
     assert state["model_args"]["in_channels"] == 2 and state["model_args"]["num_classes"] == 2

@@ -1,0 +1,311 @@
+"""Fault tolerance end to end: killed ranks, stop signals, bad steps, bad datasets, bad checkpoints, time
+limits and two nodes, each run through launch.sh and the real torchrun, judged by its artifacts."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from data.synthetic import write_synthetic_dataset
+from tests.helpers import REPO, free_port, run
+
+EPOCH_STEPS = 16  # 64 samples per epoch, batch 2, two ranks
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Path:
+    """A synthetic dataset and its cache shared by the runs of this module."""
+    root = tmp_path_factory.mktemp("reliability")
+    write_synthetic_dataset(root / "data", num_cases=6, size=32, seed=0, num_test=0)
+    return root
+
+
+def options(shared: Path, out: Path, epochs: int, *extra: str) -> list[str]:
+    return [
+        "--data-dir", str(shared / "data"), "--cache-dir", str(shared / "cache"), "--out-dir", str(out),
+        "--val-fraction", "0.5", "--epochs", str(epochs), "--samples-per-epoch", "64", "--num-workers", "1", *extra,
+    ]  # fmt: skip
+
+
+def launch(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return run(["bash", "launch.sh", "cpu:2", *args], env=env, timeout=timeout)
+
+
+def start(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """launch.sh in the background, in its own session (killed as a group if the test fails)."""
+    return subprocess.Popen(
+        ["bash", "launch.sh", "cpu:2", *args], cwd=REPO, env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out\nstdout:\n{out.decode()}\nstderr:\n{err.decode()}") from None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def wait_for(path: Path, pattern: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and re.search(pattern, path.read_text()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{pattern!r} did not appear in {path} within {timeout} s")
+
+
+def rank_pid(out: Path, rank: int) -> int:
+    """The pid of the newest process of `rank`, from its log file."""
+    return int(re.findall(r"=== rank \d+ pid (\d+)", (out / "logs" / f"rank{rank}.log").read_text())[-1])
+
+
+def loss_steps(out: Path) -> list[int]:
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    return [e.step for e in acc.Scalars("train/loss")]
+
+
+def checkpoint(out: Path, name: str = "last.pt") -> dict:
+    return torch.load(out / "checkpoints" / name, map_location="cpu", weights_only=True)
+
+
+# --- a rank dies ----------------------------------------------------------------------------------------
+
+
+def test_sigkill_of_one_rank_mid_epoch_resumes_and_completes(shared, tmp_path):
+    out = tmp_path / "run"
+    proc = start(*options(shared, out, 4))
+    wait_for(out / "logs" / "rank0.log", r"epoch 1/4:")
+    time.sleep(0.5)  # into epoch 2
+    os.kill(rank_pid(out, 1), signal.SIGKILL)
+    rc, stdout, stderr = finish(proc)
+    assert rc == 0, stderr[-3000:]
+    assert "resumed from" in stdout and "1 epoch(s) and 0 step(s) done" in stdout
+    for epoch in range(1, 5):
+        assert stdout.count(f"epoch {epoch}/4:") == 1, f"epoch {epoch} must complete exactly once"
+    assert loss_steps(out) == [1, 2, 3, 4], "TensorBoard: no duplicated or backwards steps"
+    assert checkpoint(out)["epoch"] == 4
+    assert "torchrun restart 1" in (out / "logs" / "rank1.log").read_text()
+
+
+# --- graceful stop and exact resume ---------------------------------------------------------------------
+
+
+def test_sigterm_stops_all_ranks_and_resuming_equals_an_uninterrupted_run(shared, tmp_path):
+    full = tmp_path / "full"
+    assert launch(*options(shared, full, 3)).returncode == 0
+    out = tmp_path / "run"
+    proc = start(*options(shared, out, 3))
+    wait_for(out / "logs" / "rank0.log", r"epoch 1/3:")
+    time.sleep(0.6)
+    os.kill(rank_pid(out, 1), signal.SIGTERM)
+    rc, stdout, stderr = finish(proc, timeout=60)
+    assert rc == 0, stderr[-3000:]
+    assert "stopped by a stop signal" in stdout and "run the same command again to continue" in stdout
+    stopped = checkpoint(out)
+    assert stopped["epoch"] == 1 and 0 < stopped["step"] < EPOCH_STEPS, "the position inside epoch 2 is recorded"
+    assert "torchrun restart 1" not in (out / "logs" / "rank0.log").read_text(), "a stop is not a failure"
+
+    resumed = launch(*options(shared, out, 3))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"1 epoch(s) and {stopped['step']} step(s) done" in resumed.stdout
+    a, b = checkpoint(full), checkpoint(out)
+    assert a["epoch"] == b["epoch"] == 3
+    for key, value in a["model"].items():
+        torch.testing.assert_close(b["model"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+    assert loss_steps(out) == [1, 2, 3]
+
+
+# --- non-finite steps -----------------------------------------------------------------------------------
+
+
+def test_a_nan_on_one_rank_is_skipped_by_both(shared, tmp_path):
+    out = tmp_path / "run"
+    result = launch(*options(shared, out, 2), env={"UNET3D_FAULT_NAN": "1:18"})  # epoch 2, step 3
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = "epoch 2 step 3: skipped, a rank saw a non-finite loss or gradient"
+    for rank in (0, 1):
+        assert (out / "logs" / f"rank{rank}.log").read_text().count(line) == 1
+    assert "1 step(s) skipped" in result.stdout
+    assert all(torch.isfinite(v).all() for v in checkpoint(out)["model"].values())
+
+
+def test_repeated_nan_stops_the_job_without_restarts(shared, tmp_path):
+    out = tmp_path / "run"
+    began = time.monotonic()
+    result = launch(*options(shared, out, 2, "--max-bad-steps", "3"), env={"UNET3D_FAULT_NAN": "1:18,19,20"})
+    assert result.returncode != 0
+    assert "non-finite loss or gradients in 3 consecutive steps" in result.stdout
+    assert "torchrun restart 1" not in (out / "logs" / "rank0.log").read_text(), "a restart would repeat it"
+    assert time.monotonic() - began < 60
+    assert checkpoint(out)["epoch"] == 1, "nothing written after the bad steps"
+
+
+# --- bad datasets ---------------------------------------------------------------------------------------
+
+
+def broken_copy(shared: Path, tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """A copy of the dataset with one kind of damage, and the file name the error must mention."""
+    root = tmp_path / "data"
+    write_synthetic_dataset(root, num_cases=6, size=32, seed=0, num_test=0)
+    meta_path = root / "dataset.json"
+    case = "synth_002.nii.gz"
+    image, label = root / "imagesTr" / case, root / "labelsTr" / case
+    if kind == "no dataset.json":
+        meta_path.unlink()
+        return root, "dataset.json"
+    if kind == "malformed dataset.json":
+        meta_path.write_text('{"labels": {"0": "background"')
+        return root, "dataset.json"
+    if kind == "missing image":
+        image.unlink()
+        return root, f"imagesTr/{case}"
+    img, lbl = nib.load(image), nib.load(label)
+    data, seg = np.asarray(img.dataobj), np.asarray(lbl.dataobj)
+    if kind == "shape mismatch":
+        nib.save(nib.Nifti1Image(seg[:, :, :-1], lbl.affine), label)
+    elif kind == "affine mismatch":
+        nib.save(nib.Nifti1Image(seg, lbl.affine @ np.diag([1, 1, 1.2, 1])), label)
+    elif kind == "undeclared label":
+        seg = seg.copy()
+        seg[0, 0, 0] = 7
+        nib.save(nib.Nifti1Image(seg, lbl.affine), label)
+    elif kind == "NaN image":
+        data = data.copy()
+        data[1, 2, 3] = np.nan
+        nib.save(nib.Nifti1Image(data, img.affine), image)
+    elif kind == "too few validation cases":
+        return root, "dataset.json"
+    return root, case
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("no dataset.json", "no dataset.json in"),
+        ("malformed dataset.json", "is not valid JSON"),
+        ("missing image", "listed in dataset.json but missing"),
+        ("shape mismatch", "has spatial shape"),
+        ("affine mismatch", "affine differs"),
+        ("undeclared label", "label value(s) [7] not declared"),
+        ("NaN image", "NaN or infinite value(s)"),
+        ("too few validation cases", "1 validation case(s) for 2 ranks"),
+    ],
+)
+def test_a_broken_dataset_stops_before_any_rank_starts(shared, tmp_path, kind, message):
+    data, name = broken_copy(shared, tmp_path, kind)
+    fraction = "0.2" if kind == "too few validation cases" else "0.5"
+    began = time.monotonic()
+    result = launch("--data-dir", str(data), "--out-dir", str(tmp_path / "run"), "--val-fraction", fraction,
+                    "--cache-dir", str(tmp_path / "cache"), timeout=60)  # fmt: skip
+    assert result.returncode == 2
+    assert time.monotonic() - began < 30
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stdout
+    assert message in result.stdout and name in result.stdout
+    assert not (tmp_path / "run" / "logs").exists(), "no rank may start"
+
+
+def test_the_ranks_check_the_dataset_too_and_fail_together_without_restarts(shared, tmp_path):
+    """Started by torchrun directly (no pre-flight): rank 0's verdict reaches every rank, the job ends once."""
+    data, _ = broken_copy(shared, tmp_path, "NaN image")
+    began = time.monotonic()
+    result = run(
+        ["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "train_ddp.py",
+         "--data-dir", str(data), "--out-dir", str(tmp_path / "run"), "--val-fraction", "0.5",
+         "--cache-dir", str(tmp_path / "cache")],
+        env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert time.monotonic() - began < 30
+    assert result.stdout.count("NaN or infinite value(s)") == 1, "one message, from rank 0"
+    for rank in (0, 1):
+        log = (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
+        assert "NaN or infinite value(s)" in log and "torchrun restart 1" not in log
+
+
+# --- bad checkpoints ------------------------------------------------------------------------------------
+
+
+def test_a_crafted_checkpoint_is_refused_without_running_it(shared, tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"model": Evil(), "epoch": 1}, tmp_path / "evil.pt")
+    result = launch(*options(shared, tmp_path / "run", 1, "--resume", str(tmp_path / "evil.pt")), timeout=60)
+    assert result.returncode == 2 and "cannot read checkpoint" in result.stdout and "evil.pt" in result.stdout
+    assert not marker.exists()
+
+
+def test_resuming_with_another_architecture_names_the_fields(shared, tmp_path):
+    out = tmp_path / "run"
+    assert launch(*options(shared, out, 1)).returncode == 0
+    result = launch(*options(shared, out, 2, "--features", "4", "8", "16", "--patch-size", "16"), timeout=60)
+    assert result.returncode == 2
+    assert "configuration differs in" in result.stdout
+    assert "features (checkpoint [8, 16, 32, 64], now [4, 8, 16])" in result.stdout
+    assert "patch_size (checkpoint [32, 32, 16], now [16, 16, 16])" in result.stdout
+
+
+# --- time limit -----------------------------------------------------------------------------------------
+
+
+def test_time_limit_ends_in_time_with_an_annealed_model_and_a_last_validation(shared, tmp_path):
+    out = tmp_path / "run"
+    limit = 30
+    began = time.monotonic()
+    result = launch(*options(shared, out, 1000, "--time-limit", f"00:00:{limit}"), timeout=120)
+    took = time.monotonic() - began
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "stopped by the time limit (30 s)" in result.stdout
+    assert took < limit + 5, f"the run took {took:.1f} s for a {limit} s limit"
+    state = checkpoint(out)
+    assert state["time_budget"]["limit_s"] == limit
+    last_lr = state["optimizer"]["param_groups"][0]["lr"]
+    assert last_lr < 0.05 * state["config"]["lr"], "the schedule anneals over the time budget"
+    last_line = [line for line in result.stdout.splitlines() if line.startswith("epoch ")][-1]
+    assert "stopped at step" in last_line and "val Dice" in last_line, "a last validation fits in the budget"
+
+
+# --- two nodes ------------------------------------------------------------------------------------------
+
+
+def test_two_nodes_on_loopback_train_and_only_global_rank_0_writes(shared, tmp_path):
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        env = {"NNODES": "2", "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "RDZV_ID": f"test{port}"}  # fmt: skip
+        args = options(shared, tmp_path / f"node{node}", 1)
+        procs.append(subprocess.Popen(
+            ["bash", "launch.sh", "cpu:1", *args], cwd=REPO, env={**os.environ, **env},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        ))  # fmt: skip
+    results = [finish(p, timeout=180) for p in procs]
+    assert [rc for rc, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+    writers = [n for n in (0, 1) if (tmp_path / f"node{n}" / "checkpoints").exists()]
+    assert len(writers) == 1, "exactly one node holds global rank 0"
+    stdout = results[writers[0]][1]
+    assert "world size 2" in stdout and "rank 1: host" in stdout
+    assert checkpoint(tmp_path / f"node{writers[0]}")["world_size"] == 2
+    other = 1 - writers[0]
+    assert (tmp_path / f"node{other}" / "logs" / "rank1.log").exists()
+    assert not (tmp_path / f"node{other}" / "tensorboard").exists()
