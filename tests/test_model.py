@@ -27,8 +27,52 @@ def test_default_width_is_nnunet():
     assert [b[0].out_channels for b in model.encoder] == [32, 64, 128, 256, 320]
     assert model.size_divisor == 16
     assert isinstance(model.encoder[1][0], torch.nn.Conv3d) and model.encoder[1][0].stride == (2, 2, 2)
-    assert isinstance(model.encoder[0][1], torch.nn.InstanceNorm3d)
+    assert model.encoder[0][0].bias is None, "no bias before a normalisation"
     assert isinstance(model.encoder[0][2], torch.nn.LeakyReLU)
+
+
+def test_normalisation_is_instance_norm():
+    torch.manual_seed(0)
+    norm = UNet3D(1, 2, (4, 8)).encoder[0][1]
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2)
+        norm.bias.uniform_(-1, 1)
+    reference = torch.nn.InstanceNorm3d(4, affine=True)
+    reference.load_state_dict(norm.state_dict())
+    x = torch.randn(3, 4, 5, 6, 7) * 4 + 2
+    torch.testing.assert_close(norm(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_tiny_feature_maps_run_in_float32_under_autocast():
+    """Under bf16 autocast the blocks on 2x2x2 maps run in fp32; the others stay in bf16; gradients are finite."""
+    torch.manual_seed(0)
+    model = UNet3D(1, 3, (4, 8, 16, 32, 32))
+    dtypes = {}
+    for name, module in [
+        ("first", model.encoder[0]),
+        ("bottleneck", model.encoder[4]),
+        ("up_from_2", model.decoder[0]),
+        ("up_from_4", model.decoder[1]),
+    ]:
+        module.register_forward_hook(lambda m, i, o, name=name: dtypes.update({name: o.dtype}))
+    x = torch.randn(2, 1, 32, 32, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    assert dtypes == {
+        "first": torch.bfloat16,
+        "bottleneck": torch.float32,
+        "up_from_2": torch.float32,
+        "up_from_4": torch.bfloat16,
+    }
+    out.float().logsumexp(1).mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    dtypes.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(1, 1, 64, 64, 64))
+    assert dtypes["bottleneck"] == torch.bfloat16, "4x4x4 maps stay in bf16"
+    dtypes.clear()
+    model(x)
+    assert set(dtypes.values()) == {torch.float32}
 
 
 @pytest.mark.parametrize(
@@ -61,3 +105,37 @@ def test_skips_are_used():
     with torch.no_grad():
         diff = (model(x) - model(y)).abs().sum(1)[0]
     assert diff[3, 3, 3] > 0 and diff[12:, 12:, 12:].max() < diff[3, 3, 3]
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = UNet3D(2, 3, (4, 8, 16))
+    x = torch.randn(2, 2, 16, 16, 8)
+    grads = []
+    for recompute in (False, True):
+        model.zero_grad()
+        model.grad_checkpoint = recompute
+        model(x).square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpointed_blocks_store_fewer_activations():
+    """Saved tensors for backward: with recomputation only the block inputs are kept."""
+    torch.manual_seed(0)
+    model = UNet3D(1, 2, (4, 8, 16))
+    x = torch.randn(1, 1, 32, 32, 32)
+    saved = []
+    for recompute in (False, True):
+        model.grad_checkpoint = recompute
+        sizes: list[int] = []
+
+        def pack(t, sizes=sizes):
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x).sum()
+        saved.append(sum(sizes))
+    assert saved[1] < saved[0] / 2
