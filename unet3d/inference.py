@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -15,29 +14,29 @@ from unet3d.amp import autocast
 
 
 def window_starts(size: int, window: int, overlap: float) -> list[int]:
-    """Evenly spaced window starts along one axis, the first at 0 and the last at size - window.
-
-    Neighbouring windows overlap by at least `overlap` of the window. `size` >= `window`.
+    """Window starts along one axis: every int(window * (1 - overlap)) voxels, the last one moved back to end
+    at the border. `size` >= `window`. The same positions as MONAI's sliding_window_inference, so the two
+    give the same output for the same weights (benchmarks/run.py checks it).
     """
     if size <= window:
         return [0]
-    step = window * (1 - overlap)
-    n = math.ceil((size - window) / step) + 1
-    return [round(i * (size - window) / (n - 1)) for i in range(n)]
+    step = max(int(window * (1 - overlap)), 1)
+    count = next(i for i in range(size) if i * step + window >= size) + 1
+    return [min(i * step, size - window) for i in range(count)]
 
 
 @lru_cache(maxsize=8)
 def _gaussian_cpu(window: tuple[int, ...], sigma_scale: float) -> torch.Tensor:
-    axes = []
+    weight = None
     for w in window:
-        x = torch.arange(w, dtype=torch.float64) - (w - 1) / 2
-        axes.append(torch.exp(-0.5 * (x / (w * sigma_scale)) ** 2))
-    g = axes[0][:, None, None] * axes[1][None, :, None] * axes[2][None, None, :]
-    return (g / g.max()).to(torch.float32).clamp_min(1e-3)
+        x = torch.arange(-(w - 1) / 2.0, (w - 1) / 2.0 + 1, dtype=torch.float)
+        axis = torch.exp(x**2 / (-2 * (w * sigma_scale) ** 2))
+        weight = axis if weight is None else weight.unsqueeze(-1) * axis
+    return weight.clamp_min(max(weight.min().item(), 1e-3))
 
 
 def gaussian_weight(window: Sequence[int], sigma_scale: float = 0.125, device: torch.device | None = None):
-    """Importance map (*window): a Gaussian with sigma = window * sigma_scale, peak 1, floor 1e-3.
+    """Importance map (*window): a Gaussian with sigma = window * sigma_scale per axis, floored at 1e-3.
 
     Voxels near a window's border, which see less context, count less where windows overlap.
     """
