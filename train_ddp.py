@@ -75,6 +75,7 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     log = get_logger()
     device = info.device
     torch.manual_seed(cfg.seed)
+    torch.backends.cudnn.benchmark = True  # one patch size throughout: let cuDNN pick its fastest kernels
 
     # Data: the dataset (synthetic unless --data-dir), its split, checked and cached by the ranks together.
     run = resolve_data(cfg, lambda make: dist.run_on_local_main(make, info))
@@ -101,12 +102,24 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     source = dist.run_on_main(lambda: resume_source(cfg))
     if source is not None:
         position = restore(
-            Path(source), cfg, model_args, model, optimizer, schedule, scaler, info.rank, info.world_size, device,
+            Path(source),
+            cfg,
+            model_args,
+            model,
+            optimizer,
+            schedule,
+            scaler,
+            info.rank,
+            info.world_size,
+            device,
             log.warning,
-        )  # fmt: skip
+        )
         log.info(f"resumed from {source}: {position.epoch} epoch(s) and {position.step} step(s) done")
+    model.grad_checkpoint = cfg.grad_checkpoint
     ddp = DDP(model, device_ids=[info.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     ddp = ddp if dist.is_dist() else model
+    if cfg.compile:
+        ddp = torch.compile(ddp)  # checkpoints and validation keep using the plain `model`
     loss_fn = build_loss(cfg.loss)
 
     dataset = PatchDataset(prepared, cfg.patch_size, cfg.samples_per_epoch, cfg.fg_fraction, cfg.seed)
@@ -139,9 +152,21 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
             resumed_here = epoch == position.epoch and position.step > 0
             sampler.set_epoch(epoch, skip=position.step * cfg.batch_size if resumed_here else 0)
             stats = train_one_epoch(
-                ddp, loader, steps, loss_fn, optimizer, schedule, scaler, amp_dtype, device, epoch, cfg.epochs,
-                control, position.carry if resumed_here else None, faults,
-            )  # fmt: skip
+                ddp,
+                loader,
+                steps,
+                loss_fn,
+                optimizer,
+                schedule,
+                scaler,
+                amp_dtype,
+                device,
+                epoch,
+                cfg.epochs,
+                control,
+                position.carry if resumed_here else None,
+                faults,
+            )
             stopped = stats.stopped
             done = epoch + 1 if stopped is None else epoch
             val = None
@@ -152,8 +177,9 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
             is_best = val is not None and val.mean_dice > best
             best = max(best, val.mean_dice) if val is not None else best
             stopped_at = Position(done, 0 if stopped is None else stats.steps_done, stats.carry(), best)
-            write_checkpoints(model, optimizer, schedule, scaler, stopped_at, cfg, model_args, run, info, budget,
-                              is_best)  # fmt: skip
+            write_checkpoints(
+                model, optimizer, schedule, scaler, stopped_at, cfg, model_args, run, info, budget, is_best
+            )
             if info.is_main:
                 if stopped is None or val is not None:
                     log_epoch(writer, epoch + 1, stats, val, run.spec.class_names)
@@ -210,11 +236,21 @@ def write_checkpoints(
     state = None
     if info.is_main:
         state = training_state(
-            model=model, optimizer=optimizer, schedule=schedule, scaler=scaler, epoch=at.epoch, step=at.step,
-            partial=at.carry if at.step else EpochCarry(), best=at.best, config=cfg, model_args=model_args,
-            class_names=run.spec.class_names, world_size=info.world_size, rng=states,
+            model=model,
+            optimizer=optimizer,
+            schedule=schedule,
+            scaler=scaler,
+            epoch=at.epoch,
+            step=at.step,
+            partial=at.carry if at.step else EpochCarry(),
+            best=at.best,
+            config=cfg,
+            model_args=model_args,
+            class_names=run.spec.class_names,
+            world_size=info.world_size,
+            rng=states,
             budget=budget.state_dict() if budget is not None else None,
-        )  # fmt: skip
+        )
     dist.run_on_main(functools.partial(save_all, state, checkpoint_dir(cfg.out_dir), is_best))
 
 

@@ -43,8 +43,11 @@ def test_mismatched_weights_name_the_keys(weights, tmp_path):
     with pytest.raises(ValueError, match="does not fit the model") as err:
         evaluate.load_model(tmp_path / "w.pt", torch.device("cpu"), {"features": [4, 8, 16, 32]})
     message = str(err.value)
-    assert "missing keys: decoder.2.conv.0.bias" in message and "and 10 more; unexpected keys: none" in message
-    assert "decoder.0.conv.0.weight (8, 16, 3, 3, 3) vs (16, 32, 3, 3, 3)" in message
+    assert "missing keys: decoder.2.conv.0.weight" in message and "encoder.3.0.weight and 5 more" in message
+    assert (
+        "unexpected keys: none" in message
+        and "decoder.0.conv.0.weight (8, 16, 3, 3, 3) vs (16, 32, 3, 3, 3)" in message
+    )
     del weights["head.bias"]
     weights["extra.weight"] = torch.zeros(1)
     torch.save(weights, tmp_path / "w2.pt")

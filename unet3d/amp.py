@@ -8,7 +8,8 @@ import torch
 def resolve_amp(mode: str, device: torch.device) -> torch.dtype | None:
     """`--amp` value -> autocast dtype, or None for full precision.
 
-    auto: bf16 on GPUs that support it (Ampere on), fp16 on older GPUs, off on the CPU.
+    auto: bf16 on GPUs that support it (Ampere on), fp16 on older GPUs, bf16 on CPUs with native bf16
+    arithmetic (AVX512-BF16 or AMX), else full precision.
     """
     if mode == "off":
         return None
@@ -21,7 +22,7 @@ def resolve_amp(mode: str, device: torch.device) -> torch.dtype | None:
     if mode == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return None
+        return torch.bfloat16 if cpu_has_native_bf16() else None
     raise ValueError(f"--amp must be auto, bf16, fp16 or off, got {mode!r}")
 
 
@@ -33,3 +34,9 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> torch.autocast:
 def grad_scaler(device: torch.device, dtype: torch.dtype | None) -> torch.amp.GradScaler:
     """A GradScaler, enabled only for fp16 (bf16 has fp32's exponent range and needs none)."""
     return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively; elsewhere bf16 is emulated and slower than fp32."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)

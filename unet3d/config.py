@@ -33,7 +33,7 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
         "features": (8, 16, 32, 64),
         "patch_size": (48, 48, 32),
         "epochs": 16,
-        "samples_per_epoch": 64,
+        "samples_per_epoch": 128,
         "momentum": 0.95,
     },
 }
@@ -91,8 +91,12 @@ class TrainConfig:
     weight_decay: float = _f(3e-5, "weight decay")
     loss: str = _f("dice_ce", "dice or dice_ce (soft Dice plus cross-entropy)")
     amp: str = _f(
-        "auto", "mixed precision: auto (bf16 on GPUs that support it, fp16 on older ones, off on CPU), bf16, fp16, off"
+        "auto",
+        "mixed precision: auto (bf16 on GPUs that support it, fp16 on older ones, bf16 on CPUs with native bf16, "
+        "else off), bf16, fp16, off",
     )
+    compile: bool = _f(False, "torch.compile the model (slow to start, faster steps on GPUs)")
+    grad_checkpoint: bool = _f(False, "recompute block activations in the backward pass: less memory, larger patches")
     fg_fraction: float = _f(1 / 3, "share of patches centred on a foreground voxel")
     val_every: int = _f(1, "validate every this many epochs (and after the last)")
     val_overlap: float = _f(0.5, "sliding-window overlap during validation")

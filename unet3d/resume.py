@@ -27,7 +27,17 @@ STRICT_FIELDS = ("features", "patch_size")
 # Continuing in the middle of an epoch needs the epoch's sample order: the same sharding and batches.
 POSITION_FIELDS = ("batch_size", "samples_per_epoch", "seed")
 # Settings that may change between runs without a word.
-FREE_FIELDS = ("resume", "prepare_only", "num_workers", "dist_timeout", "setup_timeout", "time_limit", "cache_dir")
+FREE_FIELDS = (
+    "resume",
+    "prepare_only",
+    "num_workers",
+    "dist_timeout",
+    "setup_timeout",
+    "time_limit",
+    "cache_dir",
+    "compile",
+    "grad_checkpoint",
+)
 
 
 @dataclass
@@ -71,9 +81,12 @@ def restore(
         rng.restore(saved_rng[rank], device)
     step = int(state.get("step", 0))
     return Position(
-        int(state["epoch"]), step, EpochCarry(**state["epoch_partial"]) if step else None,
-        float(state["best_metric"]), state.get("time_budget"),
-    )  # fmt: skip
+        int(state["epoch"]),
+        step,
+        EpochCarry(**state["epoch_partial"]) if step else None,
+        float(state["best_metric"]),
+        state.get("time_budget"),
+    )
 
 
 def checkpoint_dir(out_dir: str | Path) -> Path:
