@@ -1,0 +1,356 @@
+"""Performance of training and inference, measured side by side with MONAI in one process.
+
+    python benchmarks/run.py --quick      # under 3 minutes on 2 CPU cores
+    python benchmarks/run.py              # larger patches, more repeats
+
+Prints a table of every measurement with its reference and ratio, and writes it to a JSON file. Needs the
+benchmark extra (pip install -e ".[bench]") for MONAI. Speeds are ratios measured in the same run; the
+absolute times depend on the machine, which the JSON file describes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import torch  # noqa: E402
+
+from benchmarks import pipeline, scaling  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    NNUNET_FEATURES,
+    TrainStep,
+    interleaved_medians,
+    make_dynunet,
+    make_ours,
+    matmul_flops_per_s,
+    peak_step_memory_mib,
+    step_flops,
+)
+from data.msd import load_dataset_json  # noqa: E402
+from data.synthetic import write_synthetic_dataset  # noqa: E402
+from unet3d.amp import cpu_has_native_bf16, resolve_amp  # noqa: E402
+from unet3d.config import DEVICE_DEFAULTS, default_num_workers  # noqa: E402
+from unet3d.inference import sliding_window_inference  # noqa: E402
+
+
+@dataclass
+class Row:
+    section: str
+    metric: str
+    ours: float
+    reference: float | None = None  # what `ours` is compared with, in the same unit
+    ratio: float | None = None  # the comparison, oriented so that larger is better for us
+    target: float | None = None  # the ratio the project promises
+
+    @property
+    def met(self) -> bool | None:
+        return None if self.target is None or self.ratio is None else self.ratio >= self.target
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller patches and fewer repeats (under 3 min on 2 cores)")
+    p.add_argument("--out", help="JSON file (default: benchmarks/results[-quick].json)")
+    p.add_argument(
+        "--data-dir",
+        default="runs/synthetic/cases24_size64_seed0",
+        help="MSD-layout dataset for the data-pipeline rows (written if missing: the synthetic default)",
+    )
+    return p.parse_args(argv)
+
+
+def machine(device: torch.device) -> dict:
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    info = {
+        "cpu": cpu,
+        "cores": pipeline.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "native_bf16": cpu_has_native_bf16(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpus"] = torch.cuda.device_count()
+    try:
+        import monai
+
+        info["monai"] = monai.__version__
+    except ImportError:
+        info["monai"] = None
+    return info
+
+
+def train_step_rows(device, mixed, quick: bool) -> list[Row]:
+    """Our UNet3D against MONAI's DynUNet, identical configuration, fp32 and mixed precision; then FLOP rates."""
+    patch = (48, 48, 48) if quick else ((128, 128, 128) if device.type == "cuda" else (64, 64, 64))
+    repeats, batch, rows, seconds = (3 if quick else 7), 2, [], {}
+    flops = step_flops(functools.partial(make_ours, 1, 3, NNUNET_FEATURES), patch, batch)
+    for name, dtype in [("fp32", None), (str(mixed).removeprefix("torch."), mixed)]:
+        if name != "fp32" and dtype is None:
+            continue
+        steps = {
+            kind: TrainStep(make(1, 3, NNUNET_FEATURES), patch, batch, dtype, device)
+            for kind, make in [("ours", make_ours), ("monai", make_dynunet)]
+        }
+        t = interleaved_medians(steps, repeats, device)
+        seconds[name] = t["ours"]
+        voxels = batch * patch[0] * patch[1] * patch[2]
+        rows.append(
+            Row(
+                "train step",
+                f"{name} step, nnU-Net width, patch {patch[0]}^3 x{batch} (s)",
+                t["ours"],
+                t["monai"],
+                t["monai"] / t["ours"],
+                1.0,
+            )
+        )
+        rows.append(
+            Row(
+                "train step",
+                f"{name} voxels/s (millions)",
+                voxels / t["ours"] / 1e6,
+                voxels / t["monai"] / 1e6,
+                t["monai"] / t["ours"],
+            )
+        )
+        rate = matmul_flops_per_s(dtype or torch.float32, device)
+        rows.append(
+            Row(
+                "FLOP utilisation",
+                f"{name} step GFLOP/s vs dense matmul GFLOP/s",
+                flops / t["ours"] / 1e9,
+                rate / 1e9,
+                flops / t["ours"] / rate,
+                0.8 if name == "fp32" else None,
+            )
+        )
+        del steps
+    if len(seconds) == 2:
+        fp32, other = seconds.pop("fp32"), seconds.popitem()[1]
+        rows.append(
+            Row("train step", "nnU-Net width: mixed precision vs fp32, steps/s", 1 / other, 1 / fp32, fp32 / other)
+        )
+    defaults = DEVICE_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+    steps = {
+        name: TrainStep(make_ours(1, 3, defaults["features"]), defaults["patch_size"], batch, dtype, device)
+        for name, dtype in [("fp32", None), ("default", mixed)]
+    }
+    t = interleaved_medians(steps, 5 if quick else 10, device)
+    rows.append(
+        Row(
+            "train step",
+            f"project defaults ({mixed or 'fp32'}, width {defaults['features'][0]}.."
+            f"{defaults['features'][-1]}, patch {'x'.join(map(str, defaults['patch_size']))}) vs fp32, steps/s",
+            1 / t["default"],
+            1 / t["fp32"],
+            t["fp32"] / t["default"],
+            1.6,
+        )
+    )
+    return rows
+
+
+def memory_rows(device, mixed, quick: bool) -> list[Row]:
+    """Peak memory of a training step with and without --grad-checkpoint (activation recomputation)."""
+    patch = (64, 64, 64) if quick else ((160, 160, 160) if device.type == "cuda" else (96, 96, 96))
+    peaks = {flag: peak_step_memory_mib(NNUNET_FEATURES, patch, 2, mixed, flag, device) for flag in (False, True)}
+    return [
+        Row(
+            "memory per step",
+            f"peak with --grad-checkpoint vs without, nnU-Net width, patch {patch[0]}^3 (MiB)",
+            peaks[True],
+            peaks[False],
+            peaks[False] / peaks[True],
+        )
+    ]
+
+
+def pipeline_rows(device, mixed, data_dir: Path, quick: bool) -> list[Row]:
+    """Patches per second per worker against MONAI and against what the default training step consumes; memory."""
+    spec = load_dataset_json(data_dir)
+    cache = Path("runs/cache/benchmark") / data_dir.name
+    pipeline.prepare_cache(spec, cache)
+    defaults = DEVICE_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+    patch, features, batch, world = defaults["patch_size"], defaults["features"], 2, 2
+    ours = pipeline.ours_per_worker(cache, spec, patch, 60 if quick else 300)
+    monai = pipeline.monai_per_worker(spec, patch, 12 if quick else 48)
+    rows = [
+        Row("data pipeline", f"patches/s per worker, patch {'x'.join(map(str, patch))}", ours, monai, ours / monai, 5.0)
+    ]
+    workers = default_num_workers(pipeline.cpu_count(), world)
+    torch.set_num_threads(max(1, pipeline.cpu_count() // world))  # one rank's share of the cores
+    step = TrainStep(make_ours(1, 3, features), patch, batch, mixed, device)
+    consumed = batch / interleaved_medians({"step": step}, 5 if quick else 10, device)["step"]
+    torch.set_num_threads(pipeline.cpu_count())
+    delivered = pipeline.ours_loader(cache, spec, patch, batch, workers, world, 20 if quick else 60)
+    rows.append(
+        Row(
+            "data pipeline",
+            f"one rank's loader ({workers} worker(s)) vs the default step's consumption, patches/s",
+            delivered,
+            consumed,
+            delivered / consumed,
+            3.0,
+        )
+    )
+    size = pipeline.dataset_bytes(spec) / 2**20
+    ours_mem = pipeline.memory_per_rank("ours", cache, spec, patch)
+    monai_mem = pipeline.memory_per_rank("monai", cache, spec, patch)
+    rows.append(
+        Row(
+            "memory per rank",
+            f"PSS added to hold a {size:.0f} MiB dataset, 2 ranks (MiB)",
+            ours_mem["pss"],
+            monai_mem["pss"],
+            monai_mem["pss"] / max(ours_mem["pss"], 1e-3),
+            1.0,
+        )
+    )
+    rows.append(Row("memory per rank", "private (anonymous) memory added (MiB)", ours_mem["anon"], monai_mem["anon"]))
+    return rows
+
+
+def sliding_window_rows(device, quick: bool) -> list[Row]:
+    """Whole-volume inference against monai.inferers.sliding_window_inference: same window, overlap, weighting."""
+    from monai.inferers import sliding_window_inference as monai_swi
+
+    features = DEVICE_DEFAULTS["cpu"]["features"] if device.type == "cpu" else NNUNET_FEATURES
+    window = (48, 48, 32) if device.type == "cpu" else (128, 128, 128)
+    shape = (96, 96, 64) if quick else (160, 160, 96)
+    torch.manual_seed(0)
+    model = make_ours(1, 3, features).to(device).eval()
+    image = torch.randn(1, *shape, device=device)
+    outputs = {}
+
+    def ours():
+        outputs["ours"] = sliding_window_inference(model, image, window, 0.5, 4)
+
+    def monai():
+        outputs["monai"] = monai_swi(image[None], window, 4, model, overlap=0.5, mode="gaussian")[0]
+
+    with torch.no_grad():
+        t = interleaved_medians({"ours": ours, "monai": monai}, 3 if quick else 5, device)
+    diff = (outputs["ours"] - outputs["monai"]).abs().max().item()
+    return [
+        Row(
+            "sliding window",
+            f"volume {'x'.join(map(str, shape))}, window {'x'.join(map(str, window))} (s)",
+            t["ours"],
+            t["monai"],
+            t["monai"] / t["ours"],
+            1.0,
+        ),
+        Row(
+            "sliding window",
+            "largest |ours - MONAI| of the logits, against the 1e-4 allowed",
+            diff,
+            1e-4,
+            min(1e-4 / max(diff, 1e-12), 999.0),
+            1.0,
+        ),
+    ]
+
+
+def scaling_rows(device, mixed, quick: bool) -> list[Row]:
+    defaults = DEVICE_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+    steps = 8 if quick else 30
+    counts = range(1, torch.cuda.device_count() + 1) if device.type == "cuda" else (1, 2)
+    threads = 1 if device.type == "cpu" else max(1, pipeline.cpu_count() // max(counts))
+    rates = {
+        n: scaling.samples_per_s(n, threads, defaults["features"], defaults["patch_size"], 2, mixed, steps, device.type)
+        for n in counts
+    }
+    rows = [
+        Row(
+            "DDP scaling",
+            f"{n} ranks vs 1, {threads} thread(s) each, samples/s",
+            rates[n],
+            rates[1],
+            rates[n] / rates[1],
+            0.85 * n,
+        )
+        for n in counts
+        if n > 1
+    ]
+    if device.type == "cpu":
+        alone = scaling.samples_per_s(
+            2, threads, defaults["features"], defaults["patch_size"], 2, mixed, steps, ddp=False
+        )
+        rows.append(
+            Row(
+                "DDP scaling",
+                "machine's ceiling: 2 processes without DDP vs 1 rank, samples/s",
+                alone,
+                rates[1],
+                alone / rates[1],
+            )
+        )
+    return rows
+
+
+def print_header(info: dict) -> None:
+    print(
+        f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, MONAI {info['monai']}, "
+        f"device {info['device']}"
+    )
+    print(f"{'section':<18}{'metric':<78}{'ours':>10}{'reference':>11}{'ratio':>8}{'target':>8}  met", flush=True)
+
+
+def print_rows(rows: list[Row]) -> None:
+    for r in rows:
+        ref = "" if r.reference is None else f"{r.reference:.4g}"
+        ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
+        target = "" if r.target is None else f">={r.target:.2f}"
+        met = "" if r.met is None else ("yes" if r.met else "NO")
+        print(f"{r.section:<18}{r.metric:<78}{r.ours:>10.4g}{ref:>11}{ratio:>8}{target:>8}  {met}", flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    torch.set_num_threads(pipeline.cpu_count())
+    torch.backends.cudnn.benchmark = True
+    mixed = resolve_amp("auto", device)
+    data_dir = Path(args.data_dir)
+    if not (data_dir / "dataset.json").is_file():
+        write_synthetic_dataset(data_dir)
+    info = machine(device)
+    print_header(info)
+    sections = [
+        lambda: train_step_rows(device, mixed, args.quick),
+        lambda: memory_rows(device, mixed, args.quick),
+        lambda: pipeline_rows(device, mixed, data_dir, args.quick),
+        lambda: sliding_window_rows(device, args.quick),
+        lambda: scaling_rows(device, mixed, args.quick),
+    ]
+    rows: list[Row] = []
+    for section in sections:  # each printed as soon as it is measured
+        new = section()
+        print_rows(new)
+        rows += new
+    out = Path(args.out or f"benchmarks/results{'-quick' if args.quick else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": info, "quick": args.quick, "rows": [{**asdict(r), "met": r.met} for r in rows]}
+    out.write_text(json.dumps(payload, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
