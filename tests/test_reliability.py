@@ -32,9 +32,22 @@ def shared(tmp_path_factory) -> Path:
 
 def options(shared: Path, out: Path, epochs: int, *extra: str) -> list[str]:
     return [
-        "--data-dir", str(shared / "data"), "--cache-dir", str(shared / "cache"), "--out-dir", str(out),
-        "--val-fraction", "0.5", "--epochs", str(epochs), "--samples-per-epoch", "64", "--num-workers", "1", *extra,
-    ]  # fmt: skip
+        "--data-dir",
+        str(shared / "data"),
+        "--cache-dir",
+        str(shared / "cache"),
+        "--out-dir",
+        str(out),
+        "--val-fraction",
+        "0.5",
+        "--epochs",
+        str(epochs),
+        "--samples-per-epoch",
+        "64",
+        "--num-workers",
+        "1",
+        *extra,
+    ]
 
 
 def launch(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -44,9 +57,13 @@ def launch(*args: str, env: dict | None = None, timeout: float = 240) -> subproc
 def start(*args: str, env: dict | None = None) -> subprocess.Popen:
     """launch.sh in the background, in its own session (killed as a group if the test fails)."""
     return subprocess.Popen(
-        ["bash", "launch.sh", "cpu:2", *args], cwd=REPO, env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+        ["bash", "launch.sh", "cpu:2", *args],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
@@ -210,8 +227,17 @@ def test_a_broken_dataset_stops_before_any_rank_starts(shared, tmp_path, kind, m
     data, name = broken_copy(shared, tmp_path, kind)
     fraction = "0.2" if kind == "too few validation cases" else "0.5"
     began = time.monotonic()
-    result = launch("--data-dir", str(data), "--out-dir", str(tmp_path / "run"), "--val-fraction", fraction,
-                    "--cache-dir", str(tmp_path / "cache"), timeout=60)  # fmt: skip
+    result = launch(
+        "--data-dir",
+        str(data),
+        "--out-dir",
+        str(tmp_path / "run"),
+        "--val-fraction",
+        fraction,
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        timeout=60,
+    )
     assert result.returncode == 2
     assert time.monotonic() - began < 30
     errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
@@ -225,12 +251,26 @@ def test_the_ranks_check_the_dataset_too_and_fail_together_without_restarts(shar
     data, _ = broken_copy(shared, tmp_path, "NaN image")
     began = time.monotonic()
     result = run(
-        ["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "train_ddp.py",
-         "--data-dir", str(data), "--out-dir", str(tmp_path / "run"), "--val-fraction", "0.5",
-         "--cache-dir", str(tmp_path / "cache")],
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "3",
+            "train_ddp.py",
+            "--data-dir",
+            str(data),
+            "--out-dir",
+            str(tmp_path / "run"),
+            "--val-fraction",
+            "0.5",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
         env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
         timeout=60,
-    )  # fmt: skip
+    )
     assert result.returncode != 0
     assert time.monotonic() - began < 30
     assert result.stdout.count("NaN or infinite value(s)") == 1, "one message, from rank 0"
@@ -292,13 +332,24 @@ def test_two_nodes_on_loopback_train_and_only_global_rank_0_writes(shared, tmp_p
     port = free_port()
     procs = []
     for node in (0, 1):
-        env = {"NNODES": "2", "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "RDZV_ID": f"test{port}"}  # fmt: skip
+        env = {
+            "NNODES": "2",
+            "NODE_RANK": str(node),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RDZV_ID": f"test{port}",
+        }
         args = options(shared, tmp_path / f"node{node}", 1)
-        procs.append(subprocess.Popen(
-            ["bash", "launch.sh", "cpu:1", *args], cwd=REPO, env={**os.environ, **env},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-        ))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                ["bash", "launch.sh", "cpu:1", *args],
+                cwd=REPO,
+                env={**os.environ, **env},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        )
     results = [finish(p, timeout=180) for p in procs]
     assert [rc for rc, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
     writers = [n for n in (0, 1) if (tmp_path / f"node{n}" / "checkpoints").exists()]
