@@ -323,6 +323,11 @@ def print_rows(rows: list[Row]) -> None:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    try:
+        import monai  # noqa: F401
+    except ImportError:
+        print('benchmarks/run.py compares with MONAI: pip install -e ".[bench]" first', file=sys.stderr)
+        return 2
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     torch.set_num_threads(pipeline.cpu_count())
     torch.backends.cudnn.benchmark = True
