@@ -269,7 +269,7 @@ def sliding_window_rows(device, quick: bool) -> list[Row]:
 
 def scaling_rows(device, mixed, quick: bool) -> list[Row]:
     defaults = DEVICE_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
-    steps = 8 if quick else 30
+    steps = 20 if quick else 40
     counts = range(1, torch.cuda.device_count() + 1) if device.type == "cuda" else (1, 2)
     threads = 1 if device.type == "cpu" else max(1, pipeline.cpu_count() // max(counts))
     rates = {

@@ -14,7 +14,11 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.common import TrainStep, sync
-from unet3d import UNet3D
+from unet3d import DiceCELoss, UNet3D
+from unet3d.amp import grad_scaler
+from unet3d.control import StepControl
+from unet3d.engine import train_one_epoch
+from unet3d.optim import build_optimizer, build_schedule
 
 
 def _free_port() -> int:
@@ -23,14 +27,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _project_loop(rank, features, patch, batch, amp_dtype, steps, device):
+    """The project's own training loop (train_one_epoch: DDP, the per-step agreement, clipping) on one batch."""
+    torch.manual_seed(rank)
+    model = UNet3D(1, 3, features).to(device)
+    wrapped = DDP(model, device_ids=[rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    optimizer = build_optimizer(model.parameters(), "sgd", 0.01, 3e-5, 0.95, fused=device.type == "cuda")
+    schedule, scaler = build_schedule(optimizer, "sgd"), grad_scaler(device, amp_dtype)
+    control = StepControl(device, max_bad_steps=5, budget=None, start_wall=time.time())
+    batch_data = (torch.randn(batch, 1, *patch), torch.randint(0, 3, (batch, *patch), dtype=torch.uint8))
+    loss = DiceCELoss()
+
+    def run(count: int) -> None:
+        train_one_epoch(
+            wrapped,
+            [batch_data] * count,
+            count,
+            loss,
+            optimizer,
+            schedule,
+            scaler,
+            amp_dtype,
+            device,
+            0,
+            1,
+            control,
+            show_progress=False,
+        )
+
+    return run
+
+
 def _rank(rank, world, port, threads, features, patch, batch, amp_dtype, steps, device_type, ddp, results) -> None:
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # Without DDP the processes share only the barriers around the timed steps: what the machine itself allows
-    # when they run side by side, the ceiling DDP's scaling is measured against.
+    # With DDP, the project's training loop; without, bare steps that share only the barriers around the timed
+    # ones: what the machine itself allows when processes run side by side, the ceiling for DDP's scaling.
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         rank=rank,
@@ -39,17 +74,20 @@ def _rank(rank, world, port, threads, features, patch, batch, amp_dtype, steps, 
         device_id=device if device.type == "cuda" else None,
     )
     try:
-        step = TrainStep(UNet3D(1, 3, features), patch, batch, amp_dtype, device)
         if ddp:
-            ids = [rank] if device.type == "cuda" else None
-            step.model = DDP(step.model, device_ids=ids, gradient_as_bucket_view=True)
-        for _ in range(2):
-            step()
+            run = _project_loop(rank, features, patch, batch, amp_dtype, steps, device)
+        else:
+            step = TrainStep(UNet3D(1, 3, features), patch, batch, amp_dtype, device)
+
+            def run(count: int) -> None:
+                for _ in range(count):
+                    step()
+
+        run(2)
         sync(device)
         dist.barrier()
         began = time.perf_counter()
-        for _ in range(steps):
-            step()
+        run(steps)
         sync(device)
         dist.barrier()
         if rank == 0:

@@ -64,6 +64,7 @@ def train_one_epoch(
     control: StepControl,
     carry: EpochCarry | None = None,
     fault_steps: frozenset[int] = frozenset(),
+    show_progress: bool = True,
 ) -> EpochStats:
     """Train the epoch's remaining batches of (image (B, C, X, Y, Z), label (B, X, Y, Z)).
 
@@ -83,7 +84,7 @@ def train_one_epoch(
         total=steps,
         initial=carry.step,
         desc=f"train {epoch + 1}/{epochs}",
-        disable=not dist.is_main(),
+        disable=not (show_progress and dist.is_main()),
         dynamic_ncols=True,
     )
     start = time.perf_counter()
