@@ -98,7 +98,7 @@ def sliding_window_inference(
         if logits is None:
             logits = torch.zeros((out.shape[1],) + padded, device=device)
         for sl, o in zip(slices, out):
-            logits[(slice(None),) + sl] += o * weight
+            logits[(slice(None),) + sl].addcmul_(o, weight)  # in place: no (K, *window) temporary
             norm[sl] += weight
     assert logits is not None
     logits /= norm
