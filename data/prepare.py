@@ -7,6 +7,7 @@ then fresh and the check costs little.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -50,7 +51,7 @@ def default_cache_dir(data_dir: Path) -> Path:
     return Path("runs/cache") / f"{data_dir.resolve().name}-{digest}"
 
 
-def resolve_data(cfg, run_once: Callable[[Callable[[], str]], str]) -> RunData:
+def resolve_data(cfg, run_once: Callable[[Callable[[], Path]], Path]) -> RunData:
     """The run's dataset (written by `run_once` when synthetic), its split and its cache folder.
 
     Raises FileNotFoundError / ValueError for a missing or malformed dataset.json; missing image files are
@@ -59,8 +60,9 @@ def resolve_data(cfg, run_once: Callable[[Callable[[], str]], str]) -> RunData:
     if cfg.data_dir is not None:
         data_dir = Path(cfg.data_dir)
     else:
-        target = synthetic_path(cfg)
-        make = lambda: str(write_synthetic_dataset(target, cfg.synthetic_cases, cfg.synthetic_size, cfg.seed))  # noqa: E731
+        make = functools.partial(
+            write_synthetic_dataset, synthetic_path(cfg), cfg.synthetic_cases, cfg.synthetic_size, cfg.seed
+        )
         data_dir = Path(run_once(make))
     spec = load_dataset_json(data_dir, require_files=False)
     train, val = split_cases(spec.training, cfg.val_fraction, cfg.seed)
