@@ -64,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return train(cfg, info, started)
     except (*INPUT_ERRORS, TrainingError) as e:  # every rank reached the same verdict; rank 0 says it
         (log.error if info.is_main else lambda m: file_only(log, m))(f"error: {e}")
+        # Stopping the agent stops every local rank: first give them a moment to record the verdict too.
+        dist.arrive("failed", wait=10.0 if info.local_rank == 0 else 0.0)
         if end_job_without_restart(info.local_rank):
             file_only(log, "asked torchrun to end the job: a restart would repeat this failure")
         return 1 if isinstance(e, TrainingError) else 2

@@ -9,6 +9,7 @@ the logical device cuda:i, whatever physical GPU that is.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -190,3 +191,25 @@ def run_on_main(fn: Callable[[], T]) -> T:
     if not ok:
         raise RuntimeError(f"rank 0 failed: {value}")
     return value
+
+
+def arrive(key: str, wait: float = 0.0) -> bool:
+    """Count this rank in at `key`; with `wait` > 0, then wait up to `wait` seconds for every rank.
+
+    Not a collective: it goes through the process group's key-value store, so ranks that never arrive
+    cost the waiter at most `wait` seconds instead of a hang. Meant for the exit path, where a rank may
+    already be gone; returns whether every rank arrived (False also when the store is unreachable).
+    """
+    if not is_dist():
+        return True
+    key = f"unet3d/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{key}"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        count = store.add(key, 1)
+        deadline = time.monotonic() + wait
+        while count < get_world_size() and time.monotonic() < deadline:
+            time.sleep(0.02)
+            count = store.add(key, 0)
+        return count >= get_world_size()
+    except (RuntimeError, ValueError):  # the store's host (rank 0) has gone: nobody left to wait for
+        return False
