@@ -35,6 +35,7 @@ from unet3d.checkpoint import (
 from unet3d.config import fit_patch
 from unet3d.gpus import choose_device
 from unet3d.inference import predict
+from unet3d.layout import apply_memory_format, format_name, resolve_memory_format
 from unet3d.metrics import case_metrics
 from unet3d.model import UNet3D
 from unet3d.overlay import overlay_row, write_overview
@@ -64,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "bf16", "fp16", "off"),
         default="auto",
         help="mixed precision, as in training (default: auto)",
+    )
+    p.add_argument(
+        "--memory-format",
+        choices=("auto", "channels_last", "contiguous"),
+        default="auto",
+        help="layout of the activations, as in training (default: auto)",
     )
     p.add_argument("--tta", action="store_true", help="average the softmax over mirroring on the three axes")
     p.add_argument("--overview-cases", type=int, default=4, help="cases drawn in overview.png (default: 4)")
@@ -185,6 +192,8 @@ def evaluate(args: argparse.Namespace) -> int:
         window = tuple(cfg["patch_size"])
     sw_batch = args.sw_batch_size or (cfg["batch_size"] if cfg else 2)
     amp_dtype = resolve_amp(args.amp, device)
+    memory_format = resolve_memory_format(args.memory_format, device, amp_dtype)
+    apply_memory_format(model, memory_format)
     out = Path(args.out_dir) if args.out_dir else Path(args.checkpoint).resolve().parent.parent / f"eval_{args.split}"
     (out / "predictions").mkdir(parents=True, exist_ok=True)
 
@@ -227,6 +236,7 @@ def evaluate(args: argparse.Namespace) -> int:
             "overlap": args.overlap,
             "sw_batch_size": sw_batch,
             "amp": str(amp_dtype),
+            "memory_format": format_name(memory_format),
             "tta": args.tta,
             "device": str(device),
         },

@@ -31,6 +31,7 @@ from unet3d.checkpoint import CheckpointError, save_checkpoint
 from unet3d.config import TrainConfig, parse_args, resolve
 from unet3d.control import StepControl, TimeBudget, TrainingError, end_job_without_restart, nan_fault_steps
 from unet3d.engine import EpochCarry, train_one_epoch
+from unet3d.layout import apply_memory_format, format_name, resolve_memory_format
 from unet3d.logs import file_only, get_logger, setup_logging
 from unet3d.loss import build_loss
 from unet3d.model import UNet3D
@@ -89,12 +90,13 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     my_val = [open_case(c, run.cache) for c in shard(run.val, info.rank, info.world_size)]
     cfg = resolve_config(cfg, run, device, info.world_size, info.local_world_size, prepared)
     amp_dtype = resolve_amp(cfg.amp, device)
+    memory_format = resolve_memory_format(cfg.memory_format, device, amp_dtype)
     steps = cfg.samples_per_epoch // (cfg.batch_size * info.world_size)
-    describe_run(cfg, run, info, amp_dtype, steps)
+    describe_run(cfg, run, info, amp_dtype, memory_format, steps)
 
     # Model, optimizer, schedule; a checkpoint restored on every rank before DDP wraps the model.
     model_args = {"in_channels": run.spec.in_channels, "num_classes": run.spec.num_classes, "features": cfg.features}
-    model = UNet3D(**model_args).to(device)
+    model = apply_memory_format(UNet3D(**model_args).to(device), memory_format)
     optimizer = build_optimizer(
         model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, fused=device.type == "cuda"
     )
@@ -290,7 +292,9 @@ def save_all(state: dict, folder: Path, is_best: bool) -> None:
         save_checkpoint(state, folder / BEST)
 
 
-def describe_run(cfg: TrainConfig, run: RunData, info: dist.DistInfo, amp_dtype, steps: int) -> None:
+def describe_run(
+    cfg: TrainConfig, run: RunData, info: dist.DistInfo, amp_dtype, memory_format: torch.memory_format, steps: int
+) -> None:
     """The start-up report: every rank's device, the batch arithmetic, the data and the configuration."""
     mine = f"rank {info.rank}: host {socket.gethostname()}, local rank {info.local_rank}, device {info.device}"
     if info.device.type == "cuda":
@@ -310,8 +314,9 @@ def describe_run(cfg: TrainConfig, run: RunData, info: dist.DistInfo, amp_dtype,
         f"classes {run.spec.class_names}, cache {run.cache}"
     )
     log.info(
-        f"precision {amp_dtype or torch.float32}; checkpoints in {checkpoint_dir(cfg.out_dir)}, TensorBoard logs "
-        f"in {Path(cfg.out_dir) / 'tensorboard'}, per-rank logs in {Path(cfg.out_dir) / 'logs'}; configuration:\n  "
+        f"precision {amp_dtype or torch.float32}, memory format {format_name(memory_format)}; checkpoints in "
+        f"{checkpoint_dir(cfg.out_dir)}, TensorBoard logs in {Path(cfg.out_dir) / 'tensorboard'}, per-rank logs in "
+        f"{Path(cfg.out_dir) / 'logs'}; configuration:\n  "
         + "\n  ".join(f"{k} = {v}" for k, v in dataclasses.asdict(cfg).items())
     )
 

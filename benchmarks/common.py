@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from unet3d import DiceCELoss, UNet3D
 from unet3d.amp import autocast
+from unet3d.layout import apply_memory_format
 
 NNUNET_FEATURES = (32, 64, 128, 256, 320)
 
@@ -51,8 +52,14 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, devi
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def make_ours(in_channels: int, num_classes: int, features: Sequence[int]) -> nn.Module:
-    return UNet3D(in_channels, num_classes, features)
+def make_ours(
+    in_channels: int,
+    num_classes: int,
+    features: Sequence[int],
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> nn.Module:
+    """UNet3D laid out as the project lays it out for training (`resolve_memory_format`)."""
+    return apply_memory_format(UNet3D(in_channels, num_classes, features), memory_format)
 
 
 def make_dynunet(in_channels: int, num_classes: int, features: Sequence[int]) -> nn.Module:

@@ -38,6 +38,7 @@ from data.synthetic import write_synthetic_dataset  # noqa: E402
 from unet3d.amp import cpu_has_native_bf16, resolve_amp  # noqa: E402
 from unet3d.config import DEVICE_DEFAULTS, default_num_workers  # noqa: E402
 from unet3d.inference import sliding_window_inference  # noqa: E402
+from unet3d.layout import format_name, resolve_memory_format  # noqa: E402
 
 
 @dataclass
@@ -103,9 +104,10 @@ def train_step_rows(device, mixed, quick: bool) -> list[Row]:
     for name, dtype in [("fp32", None), (str(mixed).removeprefix("torch."), mixed)]:
         if name != "fp32" and dtype is None:
             continue
+        layout = resolve_memory_format("auto", device, dtype)  # the project's layout for this precision
         steps = {
-            kind: TrainStep(make(1, 3, NNUNET_FEATURES), patch, batch, dtype, device)
-            for kind, make in [("ours", make_ours), ("monai", make_dynunet)]
+            "ours": TrainStep(make_ours(1, 3, NNUNET_FEATURES, layout), patch, batch, dtype, device),
+            "monai": TrainStep(make_dynunet(1, 3, NNUNET_FEATURES), patch, batch, dtype, device),
         }
         t = interleaved_medians(steps, repeats, device)
         seconds[name] = t["ours"]
@@ -147,15 +149,18 @@ def train_step_rows(device, mixed, quick: bool) -> list[Row]:
             Row("train step", "nnU-Net width: mixed precision vs fp32, steps/s", 1 / other, 1 / fp32, fp32 / other)
         )
     defaults = DEVICE_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
-    steps = {
-        name: TrainStep(make_ours(1, 3, defaults["features"]), defaults["patch_size"], batch, dtype, device)
-        for name, dtype in [("fp32", None), ("default", mixed)]
+    layout = resolve_memory_format("auto", device, mixed)
+    steps = {  # the defaults (precision and layout) against the plain fp32 model
+        "fp32": TrainStep(make_ours(1, 3, defaults["features"]), defaults["patch_size"], batch, None, device),
+        "default": TrainStep(
+            make_ours(1, 3, defaults["features"], layout), defaults["patch_size"], batch, mixed, device
+        ),
     }
     t = interleaved_medians(steps, 5 if quick else 10, device)
     rows.append(
         Row(
             "train step",
-            f"project defaults ({mixed or 'fp32'}, width {defaults['features'][0]}.."
+            f"project defaults ({mixed or 'fp32'}, {format_name(layout)}, width {defaults['features'][0]}.."
             f"{defaults['features'][-1]}, patch {'x'.join(map(str, defaults['patch_size']))}) vs fp32, steps/s",
             1 / t["default"],
             1 / t["fp32"],
@@ -234,7 +239,9 @@ def sliding_window_rows(device, quick: bool) -> list[Row]:
     window = (48, 48, 32) if device.type == "cpu" else (128, 128, 128)
     shape = (96, 96, 64) if quick else (160, 160, 96)
     torch.manual_seed(0)
-    model = make_ours(1, 3, features).to(device).eval()
+    model = make_ours(1, 3, features, resolve_memory_format("auto", device, None)).to(device).eval()
+    reference = make_ours(1, 3, features).to(device).eval()  # MONAI's run: the same weights, channels-first
+    reference.load_state_dict(model.state_dict())
     image = torch.randn(1, *shape, device=device)
     outputs = {}
 
@@ -242,7 +249,7 @@ def sliding_window_rows(device, quick: bool) -> list[Row]:
         outputs["ours"] = sliding_window_inference(model, image, window, 0.5, 4)
 
     def monai():
-        outputs["monai"] = monai_swi(image[None], window, 4, model, overlap=0.5, mode="gaussian")[0]
+        outputs["monai"] = monai_swi(image[None], window, 4, reference, overlap=0.5, mode="gaussian")[0]
 
     with torch.no_grad():
         t = interleaved_medians({"ours": ours, "monai": monai}, 3 if quick else 5, device)

@@ -18,6 +18,7 @@ from unet3d import DiceCELoss, UNet3D
 from unet3d.amp import grad_scaler
 from unet3d.control import StepControl
 from unet3d.engine import train_one_epoch
+from unet3d.layout import apply_memory_format, resolve_memory_format
 from unet3d.optim import build_optimizer, build_schedule
 
 
@@ -30,7 +31,7 @@ def _free_port() -> int:
 def _project_loop(rank, features, patch, batch, amp_dtype, steps, device):
     """The project's own training loop (train_one_epoch: DDP, the per-step agreement, clipping) on one batch."""
     torch.manual_seed(rank)
-    model = UNet3D(1, 3, features).to(device)
+    model = apply_memory_format(UNet3D(1, 3, features).to(device), resolve_memory_format("auto", device, amp_dtype))
     wrapped = DDP(model, device_ids=[rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     optimizer = build_optimizer(model.parameters(), "sgd", 0.01, 3e-5, 0.95, fused=device.type == "cuda")
     schedule, scaler = build_schedule(optimizer, "sgd"), grad_scaler(device, amp_dtype)

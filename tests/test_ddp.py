@@ -135,3 +135,77 @@ def evaluate_case(model, image, label) -> list[float]:
     """evaluate.py's per-case Dice for one case (the definition validation must reproduce)."""
     pred = predict(model, image, (8, 8, 8), torch.device("cpu"), 0.5, 2).numpy()
     return [1.0] + [row["dice"] for row in case_metrics(pred, label, 3, (1.0, 1.0, 1.0))]
+
+
+def one_step_channels_last(info: dist.DistInfo, out: Path, threads: int) -> None:
+    """one_step's training step with the model channels-last and DDP set up as train_ddp.py does it."""
+    import json
+    import warnings
+
+    from unet3d.layout import apply_memory_format
+
+    torch.set_num_threads(threads)  # the weight gradients' strides of 1x1x1 kernels depend on it
+    torch.manual_seed(0)
+    model = apply_memory_format(UNet3D(1, 3, (4, 8, 16)), torch.channels_last_3d)
+    wrapped = DDP(model, gradient_as_bucket_view=True)
+    optimizer = build_optimizer(model.parameters(), "sgd", lr=0.1, weight_decay=3e-5)
+    image, label = make_batch()
+    share = BATCH // info.world_size
+    mine = slice(info.rank * share, (info.rank + 1) * share)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_one_epoch(
+            wrapped,
+            [(image[mine], label[mine])] * 2,
+            2,
+            DiceCELoss(),
+            optimizer,
+            build_schedule(optimizer, "sgd"),
+            grad_scaler(info.device, None),
+            None,
+            info.device,
+            epoch=0,
+            epochs=1,
+            control=StepControl(info.device, max_bad_steps=3, budget=None, start_wall=time.time()),
+            show_progress=False,
+        )
+    (out / f"warnings{info.rank}.json").write_text(json.dumps([str(w.message) for w in caught]))
+    if info.is_main:
+        torch.save({"model": model.state_dict()}, out / "ddp.pt")
+
+
+def test_channels_last_ranks_step_as_the_contiguous_model_without_stride_warnings(tmp_path, monkeypatch):
+    """The CPU's default layout in fp32: same weights as channels-first, and DDP's buckets fit every gradient."""
+    import json
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    torch.manual_seed(0)
+    model = UNet3D(1, 3, (4, 8, 16))
+    optimizer = build_optimizer(model.parameters(), "sgd", lr=0.1, weight_decay=3e-5)
+    image, label = make_batch()
+    train_one_epoch(
+        model,
+        [(image, label)] * 2,
+        2,
+        DiceCELoss(),
+        optimizer,
+        build_schedule(optimizer, "sgd"),
+        grad_scaler(torch.device("cpu"), None),
+        None,
+        torch.device("cpu"),
+        epoch=0,
+        epochs=1,
+        control=StepControl(torch.device("cpu"), max_bad_steps=3, budget=None, start_wall=time.time()),
+        show_progress=False,
+    )
+    for threads in (1, 2):
+        out = tmp_path / str(threads)
+        out.mkdir()
+        spawn_ranks(one_step_channels_last, 2, out, threads)
+        for rank in (0, 1):
+            caught = json.loads((out / f"warnings{rank}.json").read_text())
+            assert not [w for w in caught if "strides" in w], caught
+        ddp = torch.load(out / "ddp.pt", map_location="cpu", weights_only=True)["model"]
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(ddp[key], value, rtol=1e-4, atol=1e-5, msg=key)

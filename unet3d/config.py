@@ -17,6 +17,7 @@ CHOICES = {
     "optimizer": ("sgd", "adamw"),
     "loss": ("dice", "dice_ce"),
     "amp": ("auto", "bf16", "fp16", "off"),
+    "memory_format": ("auto", "channels_last", "contiguous"),
 }
 
 # Defaults by device type. GPUs get nnU-Net's 3d_fullres width and a large patch; the CPU defaults are
@@ -94,6 +95,11 @@ class TrainConfig:
         "auto",
         "mixed precision: auto (bf16 on GPUs that support it, fp16 on older ones, bf16 on CPUs with native bf16, "
         "else off), bf16, fp16, off",
+    )
+    memory_format: str = _f(
+        "auto",
+        "layout of the model's activations: auto (channels_last when the CPU trains in fp32, where it is faster; "
+        "else contiguous), channels_last, contiguous",
     )
     compile: bool = _f(False, "torch.compile the model (slow to start, faster steps on GPUs)")
     grad_checkpoint: bool = _f(False, "recompute block activations in the backward pass: less memory, larger patches")

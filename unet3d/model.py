@@ -136,4 +136,6 @@ class UNet3D(nn.Module):
         skips.pop()  # the bottleneck output is x itself
         for up in self.decoder:
             x = _run(up, min(x.shape[2:]), self.grad_checkpoint, x, skips.pop())
-        return self.head(x)
+        # The 1x1x1 head runs channels-first whatever the model's memory format (see unet3d.layout): a
+        # no-op for contiguous activations, a cheap copy of the last feature map for channels-last ones.
+        return self.head(x.contiguous())

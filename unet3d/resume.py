@@ -37,6 +37,7 @@ FREE_FIELDS = (
     "cache_dir",
     "compile",
     "grad_checkpoint",
+    "memory_format",
 )
 
 
