@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from data.msd import Case, load_dataset_json, split_cases
 from data.nifti import load_image, load_label, normalize, spacing
+from unet3d import layout
 from unet3d.amp import resolve_amp
 from unet3d.checkpoint import (
     infer_model_args,
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--memory-format",
-        choices=("auto", "channels_last", "contiguous"),
+        choices=layout.CHOICES,
         default="auto",
         help="layout of the activations, as in training (default: auto)",
     )

@@ -29,29 +29,40 @@ def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return image, label
 
 
-def one_step(info: dist.DistInfo, out: Path) -> None:
-    """One real training step (train_one_epoch) on this rank's share of the batch; rank 0 saves weights."""
-    torch.manual_seed(0)
-    model = UNet3D(1, 3, (4, 8, 16))
-    wrapped = DDP(model) if dist.is_dist() else model
+def sgd_steps(wrapped, model: UNet3D, batch, steps: int, device: torch.device):
+    """`steps` real training steps (train_one_epoch, SGD at lr 0.1) on `batch` each time; their EpochStats."""
     optimizer = build_optimizer(model.parameters(), "sgd", lr=0.1, weight_decay=3e-5)
-    image, label = make_batch()
-    share = BATCH // info.world_size
-    mine = slice(info.rank * share, (info.rank + 1) * share)
-    stats = train_one_epoch(
+    return train_one_epoch(
         wrapped,
-        [(image[mine], label[mine])],
-        1,
+        [batch] * steps,
+        steps,
         DiceCELoss(),
         optimizer,
         build_schedule(optimizer, "sgd"),
-        grad_scaler(info.device, None),
+        grad_scaler(device, None),
         None,
-        info.device,
+        device,
         epoch=0,
         epochs=1,
-        control=StepControl(info.device, max_bad_steps=3, budget=None, start_wall=time.time()),
+        control=StepControl(device, max_bad_steps=3, budget=None, start_wall=time.time()),
+        show_progress=False,
     )
+
+
+def my_share(info: dist.DistInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's contiguous share of make_batch()."""
+    image, label = make_batch()
+    share = BATCH // info.world_size
+    mine = slice(info.rank * share, (info.rank + 1) * share)
+    return image[mine], label[mine]
+
+
+def one_step(info: dist.DistInfo, out: Path) -> None:
+    """One real training step on this rank's share of the batch; rank 0 saves weights."""
+    torch.manual_seed(0)
+    model = UNet3D(1, 3, (4, 8, 16))
+    wrapped = DDP(model) if dist.is_dist() else model
+    stats = sgd_steps(wrapped, model, my_share(info), 1, info.device)
     if info.is_main:
         torch.save({"model": model.state_dict(), "loss": stats.loss, "samples": stats.samples}, out)
 
@@ -138,7 +149,7 @@ def evaluate_case(model, image, label) -> list[float]:
 
 
 def one_step_channels_last(info: dist.DistInfo, out: Path, threads: int) -> None:
-    """one_step's training step with the model channels-last and DDP set up as train_ddp.py does it."""
+    """Two training steps with the model channels-last and DDP set up as train_ddp.py does it."""
     import json
     import warnings
 
@@ -148,27 +159,9 @@ def one_step_channels_last(info: dist.DistInfo, out: Path, threads: int) -> None
     torch.manual_seed(0)
     model = apply_memory_format(UNet3D(1, 3, (4, 8, 16)), torch.channels_last_3d)
     wrapped = DDP(model, gradient_as_bucket_view=True)
-    optimizer = build_optimizer(model.parameters(), "sgd", lr=0.1, weight_decay=3e-5)
-    image, label = make_batch()
-    share = BATCH // info.world_size
-    mine = slice(info.rank * share, (info.rank + 1) * share)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train_one_epoch(
-            wrapped,
-            [(image[mine], label[mine])] * 2,
-            2,
-            DiceCELoss(),
-            optimizer,
-            build_schedule(optimizer, "sgd"),
-            grad_scaler(info.device, None),
-            None,
-            info.device,
-            epoch=0,
-            epochs=1,
-            control=StepControl(info.device, max_bad_steps=3, budget=None, start_wall=time.time()),
-            show_progress=False,
-        )
+        sgd_steps(wrapped, model, my_share(info), 2, info.device)
     (out / f"warnings{info.rank}.json").write_text(json.dumps([str(w.message) for w in caught]))
     if info.is_main:
         torch.save({"model": model.state_dict()}, out / "ddp.pt")
@@ -182,23 +175,7 @@ def test_channels_last_ranks_step_as_the_contiguous_model_without_stride_warning
         monkeypatch.delenv(name, raising=False)
     torch.manual_seed(0)
     model = UNet3D(1, 3, (4, 8, 16))
-    optimizer = build_optimizer(model.parameters(), "sgd", lr=0.1, weight_decay=3e-5)
-    image, label = make_batch()
-    train_one_epoch(
-        model,
-        [(image, label)] * 2,
-        2,
-        DiceCELoss(),
-        optimizer,
-        build_schedule(optimizer, "sgd"),
-        grad_scaler(torch.device("cpu"), None),
-        None,
-        torch.device("cpu"),
-        epoch=0,
-        epochs=1,
-        control=StepControl(torch.device("cpu"), max_bad_steps=3, budget=None, start_wall=time.time()),
-        show_progress=False,
-    )
+    sgd_steps(model, model, make_batch(), 2, torch.device("cpu"))
     for threads in (1, 2):
         out = tmp_path / str(threads)
         out.mkdir()

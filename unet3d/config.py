@@ -13,11 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from unet3d import layout
+
 CHOICES = {
     "optimizer": ("sgd", "adamw"),
     "loss": ("dice", "dice_ce"),
     "amp": ("auto", "bf16", "fp16", "off"),
-    "memory_format": ("auto", "channels_last", "contiguous"),
+    "memory_format": layout.CHOICES,
 }
 
 # Defaults by device type. GPUs get nnU-Net's 3d_fullres width and a large patch; the CPU defaults are

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MEMORY_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last_3d}
+MEMORY_FORMATS = {"channels_last": torch.channels_last_3d, "contiguous": torch.contiguous_format}
+CHOICES = ("auto", *MEMORY_FORMATS)  # --memory-format, in train_ddp.py and evaluate.py
 
 
 def resolve_memory_format(mode: str, device: torch.device, amp_dtype: torch.dtype | None) -> torch.memory_format:
@@ -20,7 +21,7 @@ def resolve_memory_format(mode: str, device: torch.device, amp_dtype: torch.dtyp
     if mode == "auto":
         return torch.channels_last_3d if device.type == "cpu" and amp_dtype is None else torch.contiguous_format
     if mode not in MEMORY_FORMATS:
-        raise ValueError(f"--memory-format must be auto, channels_last or contiguous, got {mode!r}")
+        raise ValueError(f"--memory-format must be one of {CHOICES}, got {mode!r}")
     return MEMORY_FORMATS[mode]
 
 
