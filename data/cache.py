@@ -12,7 +12,6 @@ int32 rows of (class, x, y, z), and NAME.json, written last, which marks the cas
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from data.check import case_problems
 from data.msd import Case
 from data.nifti import load_image, load_label, normalize
 from data.patches import PreparedCase, foreground_coords
+from unet3d.files import atomic_write, atomic_write_text
 
 CACHE_VERSION = 2
 
@@ -60,14 +60,7 @@ def is_fresh(case: Case, modalities: Sequence[str], num_classes: int, cache_dir:
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: np.save(f, array))
 
 
 def write_case(case: Case, modalities: Sequence[str], num_classes: int, cache_dir: str | Path) -> None:
@@ -90,9 +83,7 @@ def write_case(case: Case, modalities: Sequence[str], num_classes: int, cache_di
     _save_npy(paths["label"], label)
     _save_npy(paths["fg"], np.concatenate(rows) if rows else np.zeros((0, 4), np.int32))
     meta = {"stamp": _stamp(case, modalities, num_classes), "shape": list(label.shape), "channels": image.shape[0]}
-    tmp = paths["meta"].with_name(f".{paths['meta'].name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(meta))
-    os.replace(tmp, paths["meta"])
+    atomic_write_text(paths["meta"], json.dumps(meta))
 
 
 def build_cache(

@@ -16,6 +16,8 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
+from unet3d.files import temp_path
+
 SPACING = (1.0, 1.0, 1.5)
 LABELS = {"0": "background", "1": "organ", "2": "lesion"}
 
@@ -77,8 +79,7 @@ def write_synthetic_dataset(
         return root
     if num_cases < 2 or size < 8:
         raise ValueError(f"need num_cases >= 2 and size >= 8, got {num_cases}, {size}")
-    tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temp_path(root)  # unique per host and process: nodes may share the folder
     for sub in ("imagesTr", "labelsTr", "imagesTs", "labelsTs"):
         (tmp / sub).mkdir(parents=True)
     rng = np.random.default_rng(seed)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from unet3d.files import atomic_write
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
 
@@ -17,31 +18,13 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(state: Mapping[str, Any], path: str | Path, previous: str | Path | None = None) -> None:
-    """Write `state` to `path` through a temporary file in the same folder, fsynced, then renamed.
+    """Write `state` to `path` atomically and durably (`unet3d.files.atomic_write`).
 
-    A reader never sees a half-written file; on failure (a full disk, say) the temporary file is removed
-    and the checkpoints already there are left as they were. With `previous`, the file `path` held until
-    now is kept under that name, so one unreadable checkpoint never leaves nothing to resume from.
+    A reader never sees a half-written file; on failure (a full disk, say) the checkpoints already there
+    are left as they were. With `previous`, the file `path` held until now is kept under that name, so one
+    unreadable checkpoint never leaves nothing to resume from.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(dict(state), f)
-            f.flush()
-            os.fsync(f.fileno())
-        if previous is not None and path.exists():
-            os.replace(path, previous)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
+    atomic_write(path, lambda f: torch.save(dict(state), f), durable=True, previous=previous)
 
 
 def load_checkpoint(path: str | Path, device: torch.device | str) -> dict[str, Any]:

@@ -1,0 +1,65 @@
+"""Writing files so that a reader never sees half of one: a temporary sibling, then a rename.
+
+Temporary names carry the host name, the process id and a random token: nodes that share a folder on a
+network file system (a common `--out-dir` or preprocessing cache) never write to the same temporary
+file, even when two hosts' processes have the same pid.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+
+def temp_path(path: str | Path) -> Path:
+    """A hidden sibling of `path` that no other process, on this host or another, will pick."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def atomic_write(
+    path: str | Path,
+    write: Callable[[BinaryIO], object],
+    *,
+    durable: bool = False,
+    previous: str | Path | None = None,
+) -> None:
+    """Write `path` through `write(file)` into a temporary sibling, then rename it into place.
+
+    On any failure (a full disk, say) the temporary file is removed and `path` is left as it was.
+
+    Args:
+        write: writes the content to the open binary file it is given.
+        durable: fsync the file and the folder, so the new content survives a power loss (checkpoints).
+        previous: keep the file `path` held until now under this name.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        if previous is not None and path.exists():
+            os.replace(path, previous)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # make the rename itself durable
+        finally:
+            os.close(folder)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """`atomic_write` of a UTF-8 text."""
+    atomic_write(path, lambda f: f.write(text.encode()))
