@@ -35,7 +35,7 @@ from unet3d.layout import apply_memory_format, format_name, resolve_memory_forma
 from unet3d.logs import file_only, get_logger, setup_logging
 from unet3d.loss import build_loss
 from unet3d.model import UNet3D
-from unet3d.optim import build_optimizer, build_schedule
+from unet3d.optim import build_optimizer, build_schedule, optimizer_kernels
 from unet3d.report import epoch_summary, log_epoch
 from unet3d.resume import (
     BEST,
@@ -82,7 +82,7 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
 
     # Data: the dataset (synthetic unless --data-dir), its split, checked and cached by the ranks together.
     run = resolve_data(cfg, lambda make: dist.run_on_local_main(make, info))
-    problems = dataset_problems(run, info.world_size, info.local_rank, info.local_world_size)
+    problems = dataset_problems(run, info.local_rank, info.local_world_size)
     problems = unique([p for rank_problems in dist.all_gather_object(problems) for p in rank_problems])
     if problems:
         raise DatasetError(run.data_dir, problems)
@@ -97,9 +97,8 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     # Model, optimizer, schedule; a checkpoint restored on every rank before DDP wraps the model.
     model_args = {"in_channels": run.spec.in_channels, "num_classes": run.spec.num_classes, "features": cfg.features}
     model = apply_memory_format(UNet3D(**model_args).to(device), memory_format)
-    optimizer = build_optimizer(
-        model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, fused=device.type == "cuda"
-    )
+    kernels = optimizer_kernels(device, amp_dtype)
+    optimizer = build_optimizer(model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, kernels)
     schedule = build_schedule(optimizer, cfg.optimizer)
     scaler = grad_scaler(device, amp_dtype)
     position = Position()
@@ -120,8 +119,9 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
         )
         log.info(f"resumed from {source}: {position.epoch} epoch(s) and {position.step} step(s) done")
     model.grad_checkpoint = cfg.grad_checkpoint
-    ddp = DDP(model, device_ids=[info.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-    ddp = ddp if dist.is_dist() else model
+    ddp = model  # a single process trains the model itself: no process group, nothing to synchronise
+    if dist.is_dist():
+        ddp = DDP(model, device_ids=[info.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     if cfg.compile:
         ddp = torch.compile(ddp)  # checkpoints and validation keep using the plain `model`
     loss_fn = build_loss(cfg.loss)
@@ -212,7 +212,15 @@ def timed_validation(model, cases, run: RunData, cfg: TrainConfig, device, amp_d
     began = time.perf_counter()
     pairs = ((c.image, c.label) for c in cases)
     val = validate(
-        model, pairs, run.spec.num_classes, cfg.patch_size, device, cfg.val_overlap, cfg.batch_size, amp_dtype
+        model,
+        pairs,
+        run.spec.num_classes,
+        cfg.patch_size,
+        device,
+        cfg.val_overlap,
+        cfg.batch_size,
+        amp_dtype,
+        keep_preview=dist.is_main(),
     )
     if budget is not None:  # the reserve steers every rank's learning rate: it must be the same everywhere
         seconds = dist.all_reduce_sum(torch.tensor([time.perf_counter() - began], device=device))
@@ -234,7 +242,7 @@ def write_checkpoints(
     is_best: bool,
 ) -> None:
     """Every rank: refuse non-finite weights, gather the generator states; rank 0 writes, all learn the outcome."""
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
+    if not torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all():  # one device sync
         raise TrainingError("the weights hold NaN or inf values: refusing to write a checkpoint")
     states = dist.all_gather_object(rng.capture(info.device))
     state = None
@@ -299,11 +307,14 @@ def describe_run(
     mine = f"rank {info.rank}: host {socket.gethostname()}, local rank {info.local_rank}, device {info.device}"
     if info.device.type == "cuda":
         props = torch.cuda.get_device_properties(info.device)
-        mine += f" = {props.name} (UUID GPU-{props.uuid})"
+        uuid = getattr(props, "uuid", None)  # not on every torch this project allows
+        mine += f" = {props.name}" + (f" (UUID GPU-{uuid})" if uuid is not None else "")
     mine += f", CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
     devices = dist.all_gather_object(mine)
     log = get_logger()
     log.info("devices:\n  " + "\n  ".join(devices))
+    if info.world_size == 1:
+        log.info("running alone: one process, no process group, no DistributedDataParallel")
     log.info(
         f"world size {info.world_size}, batch {cfg.batch_size} per process, global batch "
         f"{cfg.batch_size * info.world_size}, {steps} step(s) per epoch, {cfg.num_workers} DataLoader worker(s) "
@@ -329,7 +340,7 @@ def prepare_only(cfg: TrainConfig) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     try:
         run = resolve_data(cfg, lambda make: make())
-        problems = check_dataset(run, world, processes=max(local_world, min(8, os.cpu_count() or 1)))
+        problems = check_dataset(run, processes=max(local_world, min(8, os.cpu_count() or 1)))
         if problems:
             raise DatasetError(run.data_dir, problems)
         cases = [open_case(c, run.cache) for c in run.train]

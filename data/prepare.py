@@ -70,24 +70,24 @@ def resolve_data(cfg, run_once: Callable[[Callable[[], Path]], Path]) -> RunData
     return RunData(data_dir, spec, train, val, cache)
 
 
-def dataset_problems(run: RunData, world_size: int, shard: int = 0, num_shards: int = 1) -> list[str]:
+def dataset_problems(run: RunData, shard: int = 0, num_shards: int = 1) -> list[str]:
     """Missing files, the split, and the content of this shard's cases (building their cache on the way)."""
     present = [c for c in run.spec.training if c.image.is_file() and c.label.is_file()]
-    problems = missing_files(run.spec.training) + split_problems(run.spec, len(run.val), world_size)
+    problems = missing_files(run.spec.training) + split_problems(run.spec, len(run.val))
     return problems + build_cache(present, run.modalities, run.spec.num_classes, run.cache, shard, num_shards)
 
 
-def _shard_problems(args: tuple[RunData, int, int, int]) -> list[str]:
+def _shard_problems(args: tuple[RunData, int, int]) -> list[str]:
     return dataset_problems(*args)
 
 
-def check_dataset(run: RunData, world_size: int, processes: int) -> list[str]:
+def check_dataset(run: RunData, processes: int) -> list[str]:
     """Every problem of the dataset, the cases checked and cached by `processes` worker processes."""
     processes = max(1, min(processes, len(run.spec.training)))
     if processes == 1:
-        return dataset_problems(run, world_size)
+        return dataset_problems(run)
     with ProcessPoolExecutor(processes, mp_context=get_context("fork")) as pool:
-        shards = pool.map(_shard_problems, [(run, world_size, i, processes) for i in range(processes)])
+        shards = pool.map(_shard_problems, [(run, i, processes) for i in range(processes)])
         return unique([p for shard in shards for p in shard])
 
 

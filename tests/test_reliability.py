@@ -205,7 +205,7 @@ def broken_copy(shared: Path, tmp_path: Path, kind: str) -> tuple[Path, str]:
         data = data.copy()
         data[1, 2, 3] = np.nan
         nib.save(nib.Nifti1Image(data, img.affine), image)
-    elif kind == "too few validation cases":
+    elif kind == "no validation case":
         return root, "dataset.json"
     return root, case
 
@@ -220,12 +220,12 @@ def broken_copy(shared: Path, tmp_path: Path, kind: str) -> tuple[Path, str]:
         ("affine mismatch", "affine differs"),
         ("undeclared label", "label value(s) [7] not declared"),
         ("NaN image", "NaN or infinite value(s)"),
-        ("too few validation cases", "1 validation case(s) for 2 ranks"),
+        ("no validation case", "holds out no validation case"),
     ],
 )
 def test_a_broken_dataset_stops_before_any_rank_starts(shared, tmp_path, kind, message):
     data, name = broken_copy(shared, tmp_path, kind)
-    fraction = "0.2" if kind == "too few validation cases" else "0.5"
+    fraction = "0" if kind == "no validation case" else "0.5"
     began = time.monotonic()
     result = launch(
         "--data-dir",

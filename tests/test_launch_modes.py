@@ -1,0 +1,82 @@
+"""Every way the README starts training, end to end on the default synthetic data: `python train_ddp.py` and
+`bash launch.sh cpu:N` for 1, 2, 3 and 6 processes. Each must train, validate and leave a `best.pt` whose
+validation Dice `evaluate.py --split val` reproduces. Six ranks hold more than the five validation cases of
+the default split, so some ranks validate nothing and still take part in every collective."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import evaluate
+from tests.helpers import run
+
+# The defaults (24 synthetic cases of 64 x 64 x 40, the CPU network and patch), with one short epoch.
+SHORT = ("--epochs", "1", "--samples-per-epoch", "12", "--num-workers", "0")
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Path:
+    """One synthetic dataset and preprocessing cache for every launch of this module."""
+    return tmp_path_factory.mktemp("modes")
+
+
+def options(shared: Path, out: Path) -> list[str]:
+    return ["--out-dir", str(out), "--synthetic-dir", str(shared / "syn"), "--cache-dir", str(shared / "cache"), *SHORT]
+
+
+def check_trained(out: Path, stdout: str, world: int) -> dict:
+    best = torch.load(out / "checkpoints" / "best.pt", map_location="cpu", weights_only=True)
+    assert best["world_size"] == world and best["epoch"] == 1
+    assert 0 <= best["best_metric"] <= 1
+    assert f"world size {world}, batch 2 per process, global batch {2 * world}" in stdout
+    assert "epoch 1/1: loss" in stdout and "val Dice" in stdout
+    assert ("running alone: one process, no process group" in stdout) == (world == 1)
+    return best
+
+
+def evaluate_val(out: Path) -> dict:
+    """evaluate.py in this process (the subprocess form runs in test_single_process_...)."""
+    argv = ["--checkpoint", str(out / "checkpoints" / "best.pt"), "--split", "val", "--device", "cpu"]
+    assert evaluate.main([*argv, "--out-dir", str(out / "eval")]) == 0
+    return json.loads((out / "eval" / "summary.json").read_text())
+
+
+def test_single_process_without_a_launcher(shared, tmp_path):
+    """`python train_ddp.py`: no torchrun, no process group, no DDP wrapper."""
+    out = tmp_path / "run"
+    result = run(["python", "train_ddp.py", *options(shared, out)], timeout=300, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    best = check_trained(out, result.stdout, world=1)
+    assert "done. checkpoint:" in result.stdout
+    best_pt = str(out / "checkpoints" / "best.pt")
+    evaluated = run(
+        ["python", "evaluate.py", "--checkpoint", best_pt, "--split", "val", "--device", "cpu"], timeout=120
+    )
+    assert evaluated.returncode == 0, evaluated.stderr
+    summary = json.loads((out / "eval_val" / "summary.json").read_text())
+    assert summary["num_cases"] == 5 and abs(summary["mean_dice"] - best["best_metric"]) < 1e-4
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 6])
+def test_launch_cpu_n_trains_and_evaluate_reproduces_best(shared, tmp_path, world):
+    out = tmp_path / "run"
+    result = run(["bash", "launch.sh", f"cpu:{world}", *options(shared, out)], timeout=300)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    best = check_trained(out, result.stdout, world)
+    # with 6 ranks, rank 5 holds no validation case; it joined every collective, or the run would hang
+    assert sorted(p.name for p in (out / "logs").iterdir()) == [f"rank{r}.log" for r in range(world)]
+    summary = evaluate_val(out)
+    assert summary["num_cases"] == 5
+    assert abs(summary["mean_dice"] - best["best_metric"]) < 1e-4, "validation and evaluate.py agree"
+
+
+def test_no_validation_case_is_refused_before_training(shared, tmp_path):
+    out = tmp_path / "run"
+    result = run(["bash", "launch.sh", "cpu:2", *options(shared, out), "--val-fraction", "0"], timeout=120)
+    assert result.returncode == 2
+    assert "holds out no validation case; raise --val-fraction" in result.stdout
+    assert not (out / "logs").exists(), "no rank may start"
