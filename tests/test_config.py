@@ -91,6 +91,6 @@ def test_amp_auto_picks_bf16_only_where_it_is_native(monkeypatch):
     monkeypatch.setattr(amp, "cpu_has_native_bf16", lambda: False)
     assert amp.resolve_amp("auto", cpu) is None
     assert amp.resolve_amp("off", cpu) is None and amp.resolve_amp("fp16", cpu) == torch.float16
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
     assert amp.resolve_amp("auto", torch.device("cuda", 0)) == torch.float16, "pre-Ampere GPUs: fp16"
     assert amp.grad_scaler(cpu, torch.float16).is_enabled() and not amp.grad_scaler(cpu, torch.bfloat16).is_enabled()

@@ -121,6 +121,7 @@ def nan_fault_steps(rank: int) -> set[int]:
 @dataclass
 class StepVerdict:
     skip: bool  # some rank saw a non-finite loss or gradient: nobody steps
+    overflow: bool  # the fp16 loss scale overflowed on some rank: nobody steps, the scale is lowered
     stop: str | None  # why every rank stops after this step, or None
     elapsed: float  # seconds since the budget's start, averaged over ranks
 
@@ -142,17 +143,12 @@ class StepControl:
         mine = torch.tensor([time.time() - self.start_wall], dtype=torch.float64, device=self.device)
         return dist.all_reduce_sum(mine).item() / dist.get_world_size()
 
-    def agree(self, local_bad: torch.Tensor) -> StepVerdict:
-        """One all_reduce of [bad, stop requested, elapsed]; every rank must call this every step."""
+    def agree(self, local_bad: torch.Tensor, local_overflow: torch.Tensor | bool = False) -> StepVerdict:
+        """One all_reduce of [bad, overflow, stop requested, elapsed]; every rank must call this every step."""
         elapsed = time.time() - self.start_wall
-        mine = torch.stack(
-            [
-                local_bad.to(self.device, torch.float64).reshape(()),
-                torch.tensor(float(self.signal.received is not None), dtype=torch.float64, device=self.device),
-                torch.tensor(elapsed, dtype=torch.float64, device=self.device),
-            ]
-        )
-        bad, stop, elapsed_sum = dist.all_reduce_sum(mine).tolist()
+        flags = [local_bad, local_overflow, self.signal.received is not None, elapsed]
+        mine = torch.stack([torch.as_tensor(f, dtype=torch.float64).to(self.device).reshape(()) for f in flags])
+        bad, overflow, stop, elapsed_sum = dist.all_reduce_sum(mine).tolist()
         elapsed = elapsed_sum / dist.get_world_size()
         self.bad_in_a_row = self.bad_in_a_row + 1 if bad > 0 else 0
         if self.bad_in_a_row >= self.max_bad_steps:
@@ -165,7 +161,7 @@ class StepControl:
             reason = "a stop signal (SIGTERM/SIGINT)"
         elif self.budget is not None and self.budget.exhausted(elapsed):
             reason = f"the time limit ({self.budget.limit_s:.0f} s)"
-        return StepVerdict(bad > 0, reason, elapsed)
+        return StepVerdict(bad > 0, overflow > 0 and bad == 0, reason, elapsed)
 
     def progress(self, epoch_progress: float, elapsed: float) -> float:
         """Training progress for the schedule: the larger of the epoch and time fractions, never decreasing."""

@@ -39,6 +39,7 @@ class EpochStats:
     lr: float  # learning rate at the epoch's last step
     steps_done: int  # steps of this epoch trained so far, carried ones included
     skipped: int  # steps skipped for a non-finite loss or gradient
+    overflowed: int  # steps the fp16 loss scale overflowed in (skipped, as the GradScaler does)
     stopped: str | None  # why training stopped inside this epoch, or None when it completed
 
     @property
@@ -78,7 +79,7 @@ def train_one_epoch(
     log = get_logger()
     world = dist.get_world_size()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    seen, skipped, stopped, step = 0, 0, None, carry.step
+    seen, skipped, overflowed, stopped, step = 0, 0, 0, None, carry.step
     elapsed = control.elapsed()
     bar = tqdm(
         total=steps,
@@ -100,14 +101,19 @@ def train_one_epoch(
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-        # With fp16 the GradScaler itself skips steps with overflowing gradients; a NaN loss counts anyway.
-        local_bad = ~torch.isfinite(loss.detach()) | (~torch.isfinite(grad_norm) & (not scaler.is_enabled()))
-        verdict = control.agree(local_bad)
+        # Non-finite gradients under fp16 loss scaling mean the scale overflowed: a routine event (the scaler
+        # lowers the scale and the step is skipped), not a fault. Anywhere else they are a fault, as is a NaN loss.
+        grads_bad = ~torch.isfinite(grad_norm)
+        local_bad = ~torch.isfinite(loss.detach()) | (grads_bad & (not scaler.is_enabled()))
+        verdict = control.agree(local_bad, grads_bad & scaler.is_enabled())
         elapsed = verdict.elapsed
         if verdict.skip:
             skipped += 1
             optimizer.zero_grad(set_to_none=True)
             log.warning(f"epoch {epoch + 1} step {step + 1}: skipped, a rank saw a non-finite loss or gradient")
+        elif verdict.overflow:  # every rank skips it; the loss is left out of the epoch's mean as well
+            overflowed += 1
+            optimizer.zero_grad(set_to_none=True)
         else:
             scaler.step(optimizer)
             loss_sum += loss.detach().double() * len(image)
@@ -126,4 +132,5 @@ def train_one_epoch(
     samples = int(totals[1].item()) + carry.samples
     seconds = time.perf_counter() - start + carry.seconds
     done = step + 1 if stopped is not None else steps
-    return EpochStats(loss_total / max(samples, 1), samples, seconds, schedule.get_last_lr()[0], done, skipped, stopped)
+    lr = schedule.get_last_lr()[0]
+    return EpochStats(loss_total / max(samples, 1), samples, seconds, lr, done, skipped, overflowed, stopped)

@@ -11,16 +11,30 @@ import torch
 WARMUP = 0.02  # share of training spent warming AdamW up
 
 
+def optimizer_kernels(device: torch.device, amp_dtype: torch.dtype | None) -> str:
+    """Which optimizer implementation to use: "fused" CUDA kernels, "foreach", or torch's "default".
+
+    Fused kernels never run under fp16 loss scaling: when a step overflows (common at the GradScaler's
+    initial scale), the fused SGD kernel returns early but keeps the momentum buffers it has just
+    allocated, uninitialised, and every later step uses them. The foreach kernels are exact there.
+    """
+    if device.type != "cuda":
+        return "default"
+    return "foreach" if amp_dtype == torch.float16 else "fused"
+
+
 def build_optimizer(
     params: Iterable[torch.nn.Parameter],
     name: str,
     lr: float,
     weight_decay: float,
     momentum: float = 0.99,
-    fused: bool = False,
+    kernels: str = "default",
 ) -> torch.optim.Optimizer:
-    """SGD with Nesterov momentum (nnU-Net: 0.99) or AdamW; `fused` picks the fused CUDA kernels."""
-    extra = {"fused": True} if fused else {}
+    """SGD with Nesterov momentum (nnU-Net: 0.99) or AdamW; `kernels` from `optimizer_kernels`."""
+    if kernels not in ("fused", "foreach", "default"):
+        raise ValueError(f"kernels must be fused, foreach or default, got {kernels!r}")
+    extra = {} if kernels == "default" else {kernels: True}
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True, weight_decay=weight_decay, **extra)
     if name == "adamw":

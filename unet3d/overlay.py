@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 # Class colours (class 0, background, is left transparent).
@@ -40,25 +41,44 @@ def _blend(gray: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return np.where(mask, (1 - ALPHA) * gray + ALPHA * colours, gray)
 
 
-def overlay_row(image: np.ndarray, ref: np.ndarray | None, pred: np.ndarray) -> np.ndarray:
-    """The middle slice along the last axis: image | reference overlay | prediction overlay.
+def middle_planes(
+    image: np.ndarray, ref: np.ndarray | None, pred: np.ndarray | torch.Tensor
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """The middle slice along the last axis of the first image channel, the reference and the prediction.
 
     Args:
-        image: (C, X, Y, Z) or (X, Y, Z); the first channel is shown.
-        ref: (X, Y, Z) reference labels, or None (its panel is then the plain image).
-        pred: (X, Y, Z) predicted labels.
+        image: (C, X, Y, Z) or (X, Y, Z); ref, pred: (X, Y, Z) labels (pred may be a tensor on any device).
 
     Returns:
-        (s * Y, 3 * s * X, 3) uint8 RGB, rotated so that the first axis runs left to right, enlarged by an
-        integer factor s so that small slices stay legible.
+        (X, Y) float32, uint8 or None, uint8 planes: all a picture needs, a few hundred KB at most.
     """
     volume = image[0] if image.ndim == 4 else image
     z = volume.shape[-1] // 2
-    gray = _gray(np.asarray(volume[..., z], dtype=np.float32))
-    panels = [gray, _blend(gray, ref[..., z]) if ref is not None else gray, _blend(gray, pred[..., z])]
+    plane = pred[..., z]
+    plane = plane.cpu().numpy() if isinstance(plane, torch.Tensor) else np.asarray(plane)
+    return (
+        np.asarray(volume[..., z], dtype=np.float32),
+        None if ref is None else np.asarray(ref[..., z], dtype=np.uint8),
+        plane.astype(np.uint8),
+    )
+
+
+def overlay_planes(image: np.ndarray, ref: np.ndarray | None, pred: np.ndarray) -> np.ndarray:
+    """(X, Y) planes -> image | reference overlay | prediction overlay, as (s * Y, 3 * s * X, 3) uint8 RGB.
+
+    Rotated so that the first axis runs left to right, enlarged by an integer factor s so that small slices
+    stay legible. Without a reference its panel is the plain image.
+    """
+    gray = _gray(image)
+    panels = [gray, _blend(gray, ref) if ref is not None else gray, _blend(gray, pred)]
     row = np.concatenate([np.rot90(p) for p in panels], axis=1).astype(np.uint8)
     s = max(1, -(-MIN_SIDE // max(gray.shape)))
     return row.repeat(s, axis=0).repeat(s, axis=1)
+
+
+def overlay_row(image: np.ndarray, ref: np.ndarray | None, pred: np.ndarray) -> np.ndarray:
+    """`overlay_planes` of the volumes' middle slices (`middle_planes`)."""
+    return overlay_planes(*middle_planes(image, ref, pred))
 
 
 def write_overview(rows: Sequence[np.ndarray], path: str | Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from unet3d.engine import EpochStats
-from unet3d.overlay import overlay_row
+from unet3d.overlay import overlay_planes
 from unet3d.validation import ValResult
 
 
@@ -23,6 +23,8 @@ def epoch_summary(
     )
     if stats.skipped:
         line += f", {stats.skipped} step(s) skipped"
+    if stats.overflowed:
+        line += f", {stats.overflowed} step(s) skipped for fp16 loss-scale overflow"
     if val is not None:
         per_class = ", ".join(f"{n} {v:.3f}" for n, v in zip(class_names[1:], val.per_class))
         line += f", val Dice {val.mean_dice:.4f} ({per_class})" + (" new best" if is_best else "")
@@ -43,5 +45,5 @@ def log_epoch(writer, done: int, stats: EpochStats, val: ValResult | None, class
             writer.add_scalar(f"val/dice_{name}", value, done)
         writer.add_scalar("val/mean_dice", val.mean_dice, done)
         if val.preview is not None:
-            writer.add_image("val/overlay", overlay_row(*val.preview), done, dataformats="HWC")
+            writer.add_image("val/overlay", overlay_planes(*val.preview), done, dataformats="HWC")
     writer.flush()

@@ -74,9 +74,16 @@ def restore(
     if changed:
         warn(f"resuming with changed settings: {', '.join(changed)}")
     load_weights(model, state["model"], source)
-    optimizer.load_state_dict(state["optimizer"])
-    schedule.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["scheduler"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:  # a restart would only repeat it
+        raise CheckpointError(f"cannot resume from {source}: its optimizer or schedule state does not fit ({e})") from e
+    if scaler.is_enabled() and not state["scaler"]:
+        # Written without fp16 loss scaling (fp32 or bf16): the scale starts afresh, as in a new run.
+        warn(f"{source} holds no GradScaler state (it was trained without fp16): the loss scale starts afresh")
+    else:
+        scaler.load_state_dict(state["scaler"])  # a no-op for a disabled scaler
     saved_rng = state.get("rng") or []
     if len(saved_rng) == world_size:
         rng.restore(saved_rng[rank], device)

@@ -19,6 +19,7 @@ from torch import nn
 from unet3d import dist
 from unet3d.inference import predict
 from unet3d.metrics import confusion_counts, dice_from_counts
+from unet3d.overlay import middle_planes
 
 
 def shard(items: Sequence, rank: int, world_size: int) -> list:
@@ -31,7 +32,7 @@ class ValResult:
     per_class: np.ndarray  # (K - 1,) mean Dice per foreground class over all ranks' cases
     mean_dice: float  # mean of per_class: the same definition as evaluate.py's mean_dice
     num_cases: int  # over all ranks
-    preview: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # this rank's first (image, label, prediction)
+    preview: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # middle planes of the first case, where kept
 
 
 def validate(
@@ -43,6 +44,7 @@ def validate(
     overlap: float = 0.5,
     sw_batch_size: int = 2,
     amp_dtype: torch.dtype | None = None,
+    keep_preview: bool = False,
 ) -> ValResult:
     """Per-class and mean Dice over every rank's validation cases. Every rank must call this.
 
@@ -50,6 +52,8 @@ def validate(
         model: the unwrapped model (not the DDP wrapper).
         cases: this rank's (image (C, X, Y, Z), label (X, Y, Z)) pairs; may be empty.
         window, overlap, sw_batch_size, amp_dtype: sliding-window inference settings.
+        keep_preview: keep the middle planes of this rank's first case (`overlay.middle_planes`) for a
+            picture; only the rank that draws it should, so the others hold no copy of a volume.
     """
     sums = torch.zeros(num_classes, dtype=torch.float64, device=device)
     count = torch.zeros(1, dtype=torch.float64, device=device)
@@ -59,8 +63,8 @@ def validate(
         ref = torch.from_numpy(np.array(label)).to(device)
         sums += dice_from_counts(confusion_counts(pred, ref, num_classes))
         count += 1
-        if preview is None:
-            preview = (np.asarray(image), np.asarray(label), pred.cpu().numpy())
+        if keep_preview and preview is None:
+            preview = middle_planes(image, label, pred)
     totals = dist.all_reduce_sum(torch.cat([sums, count]))  # one collective, outside the case loop
     n = int(totals[-1].item())
     if n == 0:

@@ -1,0 +1,157 @@
+"""Branches that only GPUs (or fp16) take, reached on the CPU: the device and its capability stubbed where
+needed, the real code everywhere else."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train_ddp
+from unet3d import DiceCELoss, UNet3D, amp, dist
+from unet3d.checkpoint import CheckpointError, load_checkpoint
+from unet3d.config import TrainConfig
+from unet3d.control import StepControl
+from unet3d.engine import train_one_epoch
+from unet3d.files import temp_path
+from unet3d.optim import build_optimizer, build_schedule, optimizer_kernels
+from unet3d.resume import restore
+
+GPU, CPU = torch.device("cuda", 0), torch.device("cpu")
+FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_v1.pt"
+
+
+def fake_gpu(monkeypatch, capability: tuple[int, int], name: str = "Tesla V100-SXM2-32GB") -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    # torch's own check also counts emulated bf16 as support: it must not be what decides
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"),
+    [((7, 0), torch.float16), ((7, 5), torch.float16), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)],
+)
+def test_amp_auto_follows_the_compute_capability(monkeypatch, capability, expected):
+    fake_gpu(monkeypatch, capability)
+    assert amp.resolve_amp("auto", GPU) == expected
+    assert amp.grad_scaler(torch.device("cpu"), expected).is_enabled() == (expected == torch.float16)
+
+
+def test_amp_bf16_is_refused_on_gpus_without_bf16_tensor_cores(monkeypatch):
+    fake_gpu(monkeypatch, (7, 5), "Tesla T4")
+    with pytest.raises(ValueError, match=r"--amp bf16: Tesla T4 \(compute capability 7.5\) has no bf16 tensor cores"):
+        amp.resolve_amp("bf16", GPU)
+    fake_gpu(monkeypatch, (8, 0), "NVIDIA A100-SXM4-80GB")
+    assert amp.resolve_amp("bf16", GPU) == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "kernels"),
+    [
+        (GPU, torch.float16, "foreach"),  # fp16 loss scaling: never the fused kernels
+        (GPU, torch.bfloat16, "fused"),
+        (GPU, None, "fused"),
+        (torch.device("cpu"), torch.float16, "default"),
+        (torch.device("cpu"), None, "default"),
+    ],
+)
+def test_fused_optimizers_never_run_under_fp16_loss_scaling(device, dtype, kernels):
+    assert optimizer_kernels(device, dtype) == kernels
+    for name in ("sgd", "adamw"):
+        optimizer = build_optimizer(torch.nn.Linear(2, 2).parameters(), name, 0.1, 0.0, 0.9, kernels="foreach")
+        assert optimizer.defaults["foreach"] is True and not optimizer.defaults.get("fused")
+    with pytest.raises(ValueError, match="kernels must be"):
+        build_optimizer(torch.nn.Linear(2, 2).parameters(), "sgd", 0.1, 0.0, 0.9, kernels="fast")
+
+
+def test_device_report_without_props_uuid(monkeypatch, caplog):
+    """`props.uuid` is missing on some torch versions the project allows: the report must not need it."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(name="Tesla V100"))
+    info = dist.DistInfo(0, 0, 1, 1, GPU)
+    cfg = TrainConfig(features=(4, 8), patch_size=(16, 16, 8), epochs=1, samples_per_epoch=4, num_workers=0)
+    run = SimpleNamespace(data_dir="d", train=[], val=[], spec=SimpleNamespace(class_names=["bg", "x"]), cache="c")
+    logger = logging.getLogger("unet3d")
+    logger.propagate = True
+    with caplog.at_level(logging.INFO, logger="unet3d"):
+        train_ddp.describe_run(cfg, run, info, torch.float16, torch.contiguous_format, 2)
+    text = caplog.text
+    assert "device cuda:0 = Tesla V100, CUDA_VISIBLE_DEVICES=" in text and "UUID" not in text
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(name="H100", uuid="1234-abcd")
+    )
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="unet3d"):
+        train_ddp.describe_run(cfg, run, info, torch.bfloat16, torch.contiguous_format, 2)
+    assert "= H100 (UUID GPU-1234-abcd)" in caplog.text
+
+
+def _resume_fixture_into(scaler: torch.amp.GradScaler, warnings: list[str], state_path: Path = FIXTURE):
+    state = load_checkpoint(state_path, "cpu")
+    cfg = TrainConfig(**{**state["config"], "amp": "fp16"})
+    model = UNet3D(**state["model_args"])
+    optimizer = build_optimizer(model.parameters(), "sgd", cfg.lr, cfg.weight_decay, cfg.momentum)
+    schedule = build_schedule(optimizer, "sgd")
+    position = restore(
+        state_path, cfg, state["model_args"], model, optimizer, schedule, scaler, 0, 2, CPU, warnings.append
+    )
+    return position, model
+
+
+def test_fp16_resume_from_a_checkpoint_written_without_a_grad_scaler():
+    """The fixture was trained without fp16 (its scaler state is empty); resuming with fp16 starts a fresh scale."""
+    assert load_checkpoint(FIXTURE, "cpu")["scaler"] == {}
+    scaler = torch.amp.GradScaler("cpu", enabled=True)  # what --amp fp16 builds
+    warnings: list[str] = []
+    position, _ = _resume_fixture_into(scaler, warnings)
+    assert position.epoch == 1 and scaler.get_scale() == 65536.0
+    assert any("holds no GradScaler state" in w for w in warnings), warnings
+
+
+def test_an_unusable_optimizer_state_is_a_checkpoint_error(tmp_path):
+    """Classified, so the job ends once with a message instead of torchrun restarting the same crash."""
+    state = load_checkpoint(FIXTURE, "cpu")
+    state["optimizer"]["param_groups"] = state["optimizer"]["param_groups"] * 2
+    torch.save(state, tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError, match=r"bad.pt: its optimizer or schedule state does not fit"):
+        _resume_fixture_into(torch.amp.GradScaler("cpu", enabled=False), [], tmp_path / "bad.pt")
+
+
+def test_fp16_overflow_steps_are_counted_skipped_and_left_out_of_the_loss():
+    """At a huge initial scale the first fp16 steps overflow: skipped as the GradScaler does, counted, never a
+    'bad step' fault (more of them in a row than --max-bad-steps), and their loss is not in the epoch mean."""
+    torch.manual_seed(0)
+    model = UNet3D(1, 3, (4, 8))
+    optimizer = build_optimizer(model.parameters(), "sgd", 0.01, 0.0, 0.9, optimizer_kernels(CPU, torch.float16))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
+    label = torch.randint(0, 3, (2, 8, 8, 8))
+    batch = (label[:, None].float() + torch.randn(2, 1, 8, 8, 8), label)
+    steps = 60
+    control = StepControl(CPU, max_bad_steps=3, budget=None, start_wall=time.time())
+    stats = train_one_epoch(
+        model, [batch] * steps, steps, DiceCELoss(), optimizer, build_schedule(optimizer, "sgd"), scaler,
+        torch.float16, CPU, epoch=0, epochs=1, control=control, show_progress=False,
+    )  # fmt: skip
+    assert stats.overflowed > 3, "more overflows in a row than --max-bad-steps, and no TrainingError"
+    assert stats.skipped == 0 and stats.overflowed < steps
+    assert stats.samples == 2 * (steps - stats.overflowed), "overflowed steps are not in the epoch's mean loss"
+    assert math.isfinite(stats.loss) and scaler.get_scale() < 2.0**60
+
+
+def test_temporary_names_differ_between_hosts_with_the_same_pid(monkeypatch, tmp_path):
+    """Nodes sharing a cache or output folder on a network file system never write the same temporary file."""
+    names = set()
+    for host in ("node01", "node02"):
+        monkeypatch.setattr("socket.gethostname", lambda host=host: host)
+        monkeypatch.setattr(os, "getpid", lambda: 4242)
+        name = temp_path(tmp_path / "case_image.npy").name
+        assert name.startswith(".case_image.npy.tmp-") and host in name and "4242" in name
+        names.add(name)
+    assert len(names) == 2
+    assert temp_path(tmp_path / "x") != temp_path(tmp_path / "x"), "a random token separates threads too"
