@@ -1,0 +1,232 @@
+"""slurm/train.sbatch: each node's launch.sh gets the GPUs SLURM allocated to that node, and srun's options.
+
+The real batch script runs with bash, as sbatch runs it on the first node, under stand-ins on PATH:
+`scontrol` names two hosts, and `srun` records its argv and environment, then plays two nodes by running
+the command it was given twice, with SLURM_NODEID 0 and 1 and per-node GPU variables chosen by the test
+(SRUN_NODES). SLURM_SUBMIT_DIR holds a stub `.venv/bin/activate` and a spy `launch.sh`; the last test puts
+the real launch.sh there instead, with a stand-in `nvidia-smi` and torchrun/pre-flight spies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, run
+
+SBATCH = REPO / "slurm" / "train.sbatch"
+HOSTS = ["node-a", "node-b"]
+GPU_VARS = ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
+
+# Plays srun on two nodes: every GPU variable of the batch environment is dropped and replaced by the
+# node's own, as slurmstepd sets them per node; the exit status is the worst of the nodes'.
+SRUN = """\
+import json, os, subprocess, sys
+records = os.environ["RECORDS"]
+json.dump({"argv": sys.argv[1:], "env": dict(os.environ)}, open(os.path.join(records, "srun.json"), "w"))
+command = sys.argv[1 + next(i for i, a in enumerate(sys.argv[1:]) if not a.startswith("-")) :]
+status = 0
+for node_id, gpu_vars in enumerate(json.loads(os.environ["SRUN_NODES"])):
+    env = {k: v for k, v in os.environ.items() if k not in %r}
+    env.update(gpu_vars, SLURM_NODEID=str(node_id), SLURMD_NODENAME=%r[node_id])
+    status = max(status, subprocess.call(command, env=env))
+sys.exit(status)
+"""
+
+# Records what it was started with, one file per node (NODE_RANK), under the name given as first argument.
+RECORD = """\
+import json, os, sys
+name = sys.argv[1] + "-" + os.environ.get("NODE_RANK", "none") + ".json"
+json.dump({"argv": sys.argv[2:], "env": dict(os.environ), "cwd": os.getcwd()},
+          open(os.path.join(os.environ["RECORDS"], name), "w"))
+"""
+
+
+def _script(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch) -> dict:
+    """Stand-ins for scontrol and srun, a submit dir with a spy launch.sh, and the batch environment."""
+    for key in list(os.environ):
+        if key.startswith("SLURM") or key in (*GPU_VARS, "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK"):
+            monkeypatch.delenv(key)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    records = tmp_path / "records"
+    records.mkdir()
+    nodelist = "node-[a-b]"
+    hosts = "\\n".join(HOSTS)
+    _script(
+        bin_dir / "scontrol",
+        f'#!/bin/sh\n[ "$1 $2 $3" = "show hostnames {nodelist}" ] || exit 1\nprintf "{hosts}\\n"\n',
+    )
+    _script(bin_dir / "srun", f"#!{sys.executable}\n" + SRUN % (GPU_VARS, HOSTS))
+    record = _script(tmp_path / "record.py", RECORD)
+    submit = tmp_path / "submit"
+    (submit / ".venv" / "bin").mkdir(parents=True)
+    (submit / ".venv" / "bin" / "activate").write_text('export STUB_VENV="$PWD"\n')
+    _script(submit / "launch.sh", f'#!/bin/bash\nexec {sys.executable} {record} launch "$@"\n')
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "RECORDS": str(records),
+        "SLURM_SUBMIT_DIR": str(submit),
+        "SLURM_JOB_NODELIST": nodelist,
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_CPUS_PER_TASK": "16",
+        # What SLURM sets in the batch step, i.e. on the first node: a step on another node that read these
+        # from the batch shell instead of its own would get the first node's values.
+        "SLURM_NODEID": "0",
+        "CUDA_VISIBLE_DEVICES": "4,5,6,7",
+        "SLURM_JOB_GPUS": "4,5,6,7",
+    }
+    return {"env": env, "records": records, "submit": submit, "tmp": tmp_path}
+
+
+def sbatch(cluster: dict, nodes: list[dict[str, str]], *args: str, **env: str):
+    """Run the batch script as sbatch would on the first node, from a directory other than the submit dir."""
+    full_env = {**cluster["env"], "SRUN_NODES": json.dumps(nodes), **env}
+    return run(["bash", str(SBATCH), *args], env=full_env, cwd=cluster["tmp"], timeout=60)
+
+
+def recorded(cluster: dict, name: str) -> dict | None:
+    path = cluster["records"] / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def test_each_node_launches_on_its_own_allocated_gpus(cluster):
+    nodes = [{"CUDA_VISIBLE_DEVICES": "4,5,6,7", "SLURM_STEP_GPUS": "4,5,6,7"}, {"SLURM_STEP_GPUS": "0,2"}]
+    result = sbatch(cluster, nodes, "--data-dir", "/data/my set", "--epochs", "3")
+    assert result.returncode == 0, result.stderr
+
+    srun = recorded(cluster, "srun")
+    options = srun["argv"][: srun["argv"].index("bash")]
+    assert "--cpus-per-task=16" in options, "steps no longer inherit the batch's --cpus-per-task (SLURM >= 22.05)"
+    assert "--ntasks-per-node=1" in options and "--kill-on-bad-exit=1" in options
+    assert srun["env"]["MASTER_ADDR"] == "node-a" and srun["env"]["MASTER_PORT"] == "29500"
+
+    extra = ["--data-dir", "/data/my set", "--epochs", "3"]
+    for rank, gpus in [(0, "4,5,6,7"), (1, "0,2")]:
+        launch = recorded(cluster, f"launch-{rank}")
+        assert launch is not None, f"node {rank} did not start launch.sh: {result.stderr}"
+        assert launch["argv"] == [gpus, "--out-dir", "runs/unet3d", "--time-limit", "23:50:00", *extra]
+        env = launch["env"]
+        assert (env["NODE_RANK"], env["NNODES"], env["MASTER_ADDR"]) == (str(rank), "2", "node-a")
+        assert (env["MASTER_PORT"], env["RDZV_ID"]) == ("29500", "4242")
+        assert launch["cwd"] == str(cluster["submit"]) and env["STUB_VENV"] == str(cluster["submit"])
+    assert sorted(p.name for p in cluster["records"].iterdir()) == ["launch-0.json", "launch-1.json", "srun.json"]
+
+
+@pytest.mark.parametrize(
+    ("gpu_vars", "expected"),
+    [
+        ({"CUDA_VISIBLE_DEVICES": "6,7", "SLURM_STEP_GPUS": "1,2", "SLURM_JOB_GPUS": "3"}, "6,7"),
+        ({"SLURM_STEP_GPUS": "1,2", "SLURM_JOB_GPUS": "3"}, "1,2"),
+        ({"SLURM_JOB_GPUS": "3"}, "3"),
+        ({"CUDA_VISIBLE_DEVICES": "", "SLURM_STEP_GPUS": "5"}, "5"),
+    ],
+)
+def test_gpu_variables_are_taken_in_order(cluster, gpu_vars, expected):
+    result = sbatch(cluster, [{"CUDA_VISIBLE_DEVICES": "0"}, gpu_vars])
+    assert result.returncode == 0, result.stderr
+    assert recorded(cluster, "launch-0")["argv"][0] == "0"
+    assert recorded(cluster, "launch-1")["argv"] == [expected, "--out-dir", "runs/unet3d", "--time-limit", "23:50:00"]
+
+
+def test_a_node_without_gpus_is_refused(cluster):
+    result = sbatch(cluster, [{"CUDA_VISIBLE_DEVICES": "0,1"}, {}], "--epochs", "1")
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if "train.sbatch" in line]
+    assert len(lines) == 1, result.stderr
+    assert "node 1 (node-b)" in lines[0]
+    assert "none of CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS, SLURM_JOB_GPUS is set" in lines[0]
+    assert recorded(cluster, "launch-1") is None
+
+
+@pytest.mark.parametrize(
+    ("gpu_vars", "shown"),
+    [
+        (
+            {"CUDA_VISIBLE_DEVICES": "GPU-8c1f1bc4-2a7e-4b4e-9d1c-3f2e5a6b7c8d"},
+            "CUDA_VISIBLE_DEVICES=GPU-8c1f1bc4-2a7e-4b4e-9d1c-3f2e5a6b7c8d",
+        ),
+        ({"CUDA_VISIBLE_DEVICES": "MIG-4d3b2a1f-0000-1111-2222-333344445555"}, "CUDA_VISIBLE_DEVICES=MIG-4d3b2a1f"),
+        ({"SLURM_STEP_GPUS": "0,,1"}, "SLURM_STEP_GPUS=0,,1"),
+        ({"SLURM_JOB_GPUS": "0-3"}, "SLURM_JOB_GPUS=0-3"),
+    ],
+)
+def test_gpu_ids_that_are_not_indices_are_refused(cluster, gpu_vars, shown):
+    result = sbatch(cluster, [gpu_vars, {"CUDA_VISIBLE_DEVICES": "0"}])
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if "train.sbatch" in line]
+    assert len(lines) == 1, result.stderr
+    assert "node 0 (node-a)" in lines[0] and shown in lines[0] and "launch.sh needs nvidia-smi indices" in lines[0]
+    assert recorded(cluster, "launch-0") is None
+
+
+def test_real_launch_sh_masks_each_node_to_its_allocation(cluster):
+    """With the real launch.sh on nodes of eight GPUs, torchrun starts with the node's allocated ids."""
+    submit, tmp = cluster["submit"], cluster["tmp"]
+    shutil.copy(REPO / "launch.sh", submit / "launch.sh")
+    listing = "\n".join(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-0000000{i}-aaaa)" for i in range(8))
+    _script(tmp / "bin" / "nvidia-smi", f'#!/bin/sh\n[ "$1" = "-L" ] && cat <<"EOF"\n{listing}\nEOF\n')
+    record = tmp / "record.py"
+    spies = {
+        name: _script(tmp / f"{name}-spy", f'#!/bin/bash\nexec {sys.executable} {record} {name} "$@"\n')
+        for name in ("torchrun", "python")
+    }
+    nodes = [{"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, {"SLURM_STEP_GPUS": "0,2,3,5"}]
+    result = sbatch(
+        cluster,
+        nodes,
+        "--data-dir",
+        "/data/my set",
+        TORCHRUN=str(spies["torchrun"]),
+        PYTHON=str(spies["python"]),
+        MASTER_PORT="29611",
+    )
+    assert result.returncode == 0, result.stderr
+    for rank, gpus in [(0, "4,5,6,7"), (1, "0,2,3,5")]:
+        torchrun = recorded(cluster, f"torchrun-{rank}")
+        assert torchrun is not None, result.stderr
+        assert torchrun["env"]["CUDA_VISIBLE_DEVICES"] == gpus
+        assert torchrun["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        argv = torchrun["argv"]
+        train = str(submit / "train_ddp.py")
+        assert argv[: argv.index(train)] == [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "node-a:29611",
+            "--rdzv-id",
+            "4242",
+            "--nproc-per-node",
+            "4",
+            "--max-restarts",
+            "3",
+        ]
+        assert argv[argv.index(train) + 1 :] == [
+            "--out-dir",
+            "runs/unet3d",
+            "--time-limit",
+            "23:50:00",
+            "--data-dir",
+            "/data/my set",
+        ]
+        preflight = recorded(cluster, f"python-{rank}")
+        assert preflight["env"]["CUDA_VISIBLE_DEVICES"] == gpus and preflight["env"]["WORLD_SIZE"] == "8"
+    assert "node 1 local rank 3 -> cuda:3 -> physical GPU 5: NVIDIA H100 80GB HBM3" in result.stdout
