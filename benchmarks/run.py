@@ -11,6 +11,7 @@ absolute times depend on the machine, which the JSON file describes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import platform
@@ -26,12 +27,15 @@ from benchmarks import pipeline, scaling  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     NNUNET_FEATURES,
     TrainStep,
+    fp32_precision,
+    has_tf32,
     interleaved_medians,
     make_dynunet,
     make_ours,
     matmul_flops_per_s,
     peak_step_memory_mib,
     step_flops,
+    with_fp32_precision,
 )
 from data.msd import load_dataset_json  # noqa: E402
 from data.synthetic import write_synthetic_dataset  # noqa: E402
@@ -97,25 +101,35 @@ def machine(device: torch.device) -> dict:
 
 
 def train_step_rows(device, mixed, quick: bool) -> list[Row]:
-    """Our UNet3D against MONAI's DynUNet, identical configuration, fp32 and mixed precision; then FLOP rates."""
-    patch = (48, 48, 48) if quick else ((128, 128, 128) if device.type == "cuda" else (64, 64, 64))
+    """Our UNet3D against MONAI's DynUNet, identical configuration, fp32 and mixed precision; then FLOP rates.
+
+    On a GPU every fp32 measurement runs in strict IEEE fp32 (`fp32_precision`), the step's convolutions and the
+    reference matmul alike, and says so; on GPUs with TF32 one more row gives the step's FLOP rate with both
+    in TF32, what an fp32 run (--amp off) gets by default. The mixed-precision step keeps PyTorch's settings.
+    """
+    gpu = device.type == "cuda"
+    fp32 = "fp32 (strict, TF32 off)" if gpu else "fp32"  # how the rows name the fp32 measurements
+    patch = (48, 48, 48) if quick else ((128, 128, 128) if gpu else (64, 64, 64))
     repeats, batch, rows, seconds = (3 if quick else 7), 2, [], {}
     flops = step_flops(functools.partial(make_ours, 1, 3, NNUNET_FEATURES), patch, batch)
     for name, dtype in [("fp32", None), (str(mixed).removeprefix("torch."), mixed)]:
         if name != "fp32" and dtype is None:
             continue
+        label = fp32 if dtype is None else name
         layout = resolve_memory_format("auto", device, dtype)  # the project's layout for this precision
         steps = {
             "ours": TrainStep(make_ours(1, 3, NNUNET_FEATURES, layout), patch, batch, dtype, device),
             "monai": TrainStep(make_dynunet(1, 3, NNUNET_FEATURES), patch, batch, dtype, device),
         }
-        t = interleaved_medians(steps, repeats, device)
+        with fp32_precision(device, tf32=False) if dtype is None else contextlib.nullcontext():
+            t = interleaved_medians(steps, repeats, device)
+            rate = matmul_flops_per_s(dtype or torch.float32, device)  # in the same precision as the step
         seconds[name] = t["ours"]
         voxels = batch * patch[0] * patch[1] * patch[2]
         rows.append(
             Row(
                 "train step",
-                f"{name} step, nnU-Net width, patch {patch[0]}^3 x{batch} (s)",
+                f"{label} step, nnU-Net width, patch {patch[0]}^3 x{batch} (s)",
                 t["ours"],
                 t["monai"],
                 t["monai"] / t["ours"],
@@ -125,33 +139,46 @@ def train_step_rows(device, mixed, quick: bool) -> list[Row]:
         rows.append(
             Row(
                 "train step",
-                f"{name} voxels/s (millions)",
+                f"{label} voxels/s (millions)",
                 voxels / t["ours"] / 1e6,
                 voxels / t["monai"] / 1e6,
                 t["monai"] / t["ours"],
             )
         )
-        rate = matmul_flops_per_s(dtype or torch.float32, device)
+        matmul = "strict fp32 matmul" if gpu and dtype is None else "dense matmul"
         rows.append(
             Row(
                 "FLOP utilisation",
-                f"{name} step GFLOP/s vs dense matmul GFLOP/s",
+                f"{label} step GFLOP/s vs {matmul} GFLOP/s",
                 flops / t["ours"] / 1e9,
                 rate / 1e9,
                 flops / t["ours"] / rate,
                 0.8 if name == "fp32" else None,
             )
         )
+        if dtype is None and has_tf32(device):  # our step alone again: a few steps and a few products more
+            with fp32_precision(device, tf32=True):
+                tf32_s = interleaved_medians({"ours": steps["ours"]}, repeats, device)["ours"]
+                tf32_rate = matmul_flops_per_s(torch.float32, device)
+            rows.append(
+                Row(
+                    "FLOP utilisation",
+                    "tf32 (TF32 on) step GFLOP/s vs tf32 matmul GFLOP/s",
+                    flops / tf32_s / 1e9,
+                    tf32_rate / 1e9,
+                    flops / tf32_s / tf32_rate,
+                )
+            )
         del steps
     if len(seconds) == 2:
-        fp32, other = seconds.pop("fp32"), seconds.popitem()[1]
-        rows.append(
-            Row("train step", "nnU-Net width: mixed precision vs fp32, steps/s", 1 / other, 1 / fp32, fp32 / other)
-        )
+        fp32_s, other = seconds.pop("fp32"), seconds.popitem()[1]
+        metric = f"nnU-Net width: mixed precision vs {fp32}, steps/s"
+        rows.append(Row("train step", metric, 1 / other, 1 / fp32_s, fp32_s / other))
     defaults = DEVICE_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
     layout = resolve_memory_format("auto", device, mixed)
-    steps = {  # the defaults (precision and layout) against the plain fp32 model
-        "fp32": TrainStep(make_ours(1, 3, defaults["features"]), defaults["patch_size"], batch, None, device),
+    plain = TrainStep(make_ours(1, 3, defaults["features"]), defaults["patch_size"], batch, None, device)
+    steps = {  # the defaults (precision and layout, PyTorch's settings) against the plain fp32 model, strict on GPUs
+        "fp32": with_fp32_precision(plain, device, tf32=False),
         "default": TrainStep(
             make_ours(1, 3, defaults["features"], layout), defaults["patch_size"], batch, mixed, device
         ),
@@ -161,7 +188,7 @@ def train_step_rows(device, mixed, quick: bool) -> list[Row]:
         Row(
             "train step",
             f"project defaults ({mixed or 'fp32'}, {format_name(layout)}, width {defaults['features'][0]}.."
-            f"{defaults['features'][-1]}, patch {'x'.join(map(str, defaults['patch_size']))}) vs fp32, steps/s",
+            f"{defaults['features'][-1]}, patch {'x'.join(map(str, defaults['patch_size']))}) vs {fp32}, steps/s",
             1 / t["default"],
             1 / t["fp32"],
             t["fp32"] / t["default"],
@@ -278,6 +305,8 @@ def scaling_rows(device, mixed, quick: bool) -> list[Row]:
     defaults = DEVICE_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
     steps = 20 if quick else 40
     counts = range(1, torch.cuda.device_count() + 1) if device.type == "cuda" else (1, 2)
+    if len(counts) < 2:  # one GPU: no scaling to measure, and its 1-rank rate alone would be no row
+        return []
     threads = 1 if device.type == "cpu" else max(1, pipeline.cpu_count() // max(counts))
     rates = {
         n: scaling.samples_per_s(n, threads, defaults["features"], defaults["patch_size"], 2, mixed, steps, device.type)
@@ -344,12 +373,18 @@ def main(argv=None) -> int:
         write_synthetic_dataset(data_dir)
     info = machine(device)
     print_header(info)
+    # The sections that measure in spawned children on the GPU (peak memory per step, DDP scaling) run first,
+    # before this process computes anything there: up to then it has only asked for the device's name and
+    # capability, which allocates nothing (and creates no context), so the children's peak memory and speed
+    # are theirs alone on a GPU that holds nothing else. Later, this process's models, steps and the caching
+    # allocator's blocks would stay on cuda:0 beside them. (Each spawn also frees this process's cached GPU
+    # memory first, and warns about any tensor still held.) One order on every device, for one table.
     sections = [
-        lambda: train_step_rows(device, mixed, args.quick),
         lambda: memory_rows(device, mixed, args.quick),
+        lambda: scaling_rows(device, mixed, args.quick),
+        lambda: train_step_rows(device, mixed, args.quick),
         lambda: pipeline_rows(device, mixed, data_dir, args.quick),
         lambda: sliding_window_rows(device, args.quick),
-        lambda: scaling_rows(device, mixed, args.quick),
     ]
     rows: list[Row] = []
     for section in sections:  # each printed as soon as it is measured

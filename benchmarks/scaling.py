@@ -13,13 +13,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.common import TrainStep, sync
+from benchmarks.common import TrainStep, release_gpu_memory, sync
 from unet3d import DiceCELoss, UNet3D
 from unet3d.amp import grad_scaler
 from unet3d.control import StepControl
 from unet3d.engine import train_one_epoch
 from unet3d.layout import apply_memory_format, resolve_memory_format
-from unet3d.optim import build_optimizer, build_schedule
+from unet3d.optim import build_optimizer, build_schedule, optimizer_kernels
 
 
 def _free_port() -> int:
@@ -33,7 +33,8 @@ def _project_loop(rank, features, patch, batch, amp_dtype, steps, device):
     torch.manual_seed(rank)
     model = apply_memory_format(UNet3D(1, 3, features).to(device), resolve_memory_format("auto", device, amp_dtype))
     wrapped = DDP(model, device_ids=[rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-    optimizer = build_optimizer(model.parameters(), "sgd", 0.01, 3e-5, 0.95, fused=device.type == "cuda")
+    # The kernels training picks: fused on GPUs, except under fp16 loss scaling (see optimizer_kernels).
+    optimizer = build_optimizer(model.parameters(), "sgd", 0.01, 3e-5, 0.95, optimizer_kernels(device, amp_dtype))
     schedule, scaler = build_schedule(optimizer, "sgd"), grad_scaler(device, amp_dtype)
     control = StepControl(device, max_bad_steps=5, budget=None, start_wall=time.time())
     batch_data = (torch.randn(batch, 1, *patch), torch.randint(0, 3, (batch, *patch), dtype=torch.uint8))
@@ -64,7 +65,8 @@ def _rank(rank, world, port, threads, features, patch, batch, amp_dtype, steps, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # before any CUDA work: this rank's context on its own GPU only
+        torch.backends.cudnn.benchmark = True  # as training runs (a spawned process starts with the default)
     # With DDP, the project's training loop; without, bare steps that share only the barriers around the timed
     # ones: what the machine itself allows when processes run side by side, the ceiling for DDP's scaling.
     dist.init_process_group(
@@ -110,6 +112,8 @@ def samples_per_s(
 ) -> float:
     """Training samples per second of `world` DDP ranks (gloo on the CPU, nccl on GPUs) on random batches; with
     ddp=False, of as many independent processes."""
+    if device_type == "cuda":
+        release_gpu_memory()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     args = (world, _free_port(), threads, tuple(features), tuple(patch), batch, amp_dtype, steps, device_type, ddp)
