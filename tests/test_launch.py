@@ -183,3 +183,22 @@ def test_restarts_and_multi_node_rendezvous(env, tmp_path):
     ]:
         refused = run(["bash", "launch.sh", "cpu"], env={**env, **bad}, timeout=30)
         assert refused.returncode == 2 and message in refused.stderr
+
+
+def test_gpu_check_script_explains_itself_and_refuses_a_machine_without_cuda(tmp_path):
+    """tests/gpu_check.sh runs on GPU machines only; here: its usage, and a clear verdict without CUDA."""
+    usage = run(["bash", "tests/gpu_check.sh"], timeout=30)
+    assert usage.returncode == 2 and "nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory" in usage.stdout
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _script(
+        bin_dir / "nvidia-smi",
+        '#!/bin/sh\ncase "$*" in *index,uuid*) echo "0, GPU-aaaa"; echo "1, GPU-bbbb";; esac\n',
+    )
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": ""}
+    missing = run(["bash", "tests/gpu_check.sh", "0,7", str(tmp_path / "gc")], env=env, timeout=60)
+    assert missing.returncode == 1 and "FAIL  GPU 7 is not among the 2 GPU(s) nvidia-smi lists" in missing.stdout
+    result = run(["bash", "tests/gpu_check.sh", "0,1", str(tmp_path / "gc")], env=env, timeout=60)
+    assert result.returncode == 1
+    assert "FAIL  PyTorch sees no CUDA GPU with CUDA_VISIBLE_DEVICES=0" in result.stdout
+    assert "0 passed, 1 failed" in result.stdout and not (tmp_path / "gc").exists(), "nothing trained"
