@@ -19,27 +19,24 @@ from typing import Any
 
 import nibabel as nib
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from data.msd import Case, load_dataset_json, split_cases
 from data.nifti import load_image, load_label, normalize, spacing
-from unet3d import layout
-from unet3d.amp import resolve_amp
-from unet3d.checkpoint import (
-    infer_model_args,
-    load_checkpoint,
-    load_weights,
-    state_dict_of,
-    strip_wrapper_prefixes,
+from unet3d.checkpoint import load_model
+from unet3d.inference.devices import choose_device
+from unet3d.inference.metrics import case_metrics
+from unet3d.inference.pictures import overlay_row, write_overview
+from unet3d.inference.sliding_window import InferenceSettings, predict
+from unet3d.model import fit_patch
+from unet3d.precision import (
+    AMP_CHOICES,
+    MEMORY_FORMAT_CHOICES,
+    apply_memory_format,
+    format_name,
+    resolve_amp,
+    resolve_memory_format,
 )
-from unet3d.config import fit_patch
-from unet3d.gpus import choose_device
-from unet3d.inference import predict
-from unet3d.layout import apply_memory_format, format_name, resolve_memory_format
-from unet3d.metrics import case_metrics
-from unet3d.model import UNet3D
-from unet3d.overlay import overlay_row, write_overview
 
 METRICS = ("dice", "iou", "hd95_mm", "pred_volume_ml", "ref_volume_ml")
 
@@ -63,13 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sw-batch-size", type=int, help="windows per forward pass (default: the training batch size)")
     p.add_argument(
         "--amp",
-        choices=("auto", "bf16", "fp16", "off"),
+        choices=AMP_CHOICES,
         default="auto",
         help="mixed precision, as in training (default: auto)",
     )
     p.add_argument(
         "--memory-format",
-        choices=layout.CHOICES,
+        choices=MEMORY_FORMAT_CHOICES,
         default="auto",
         help="layout of the activations, as in training (default: auto)",
     )
@@ -82,17 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     bare.add_argument("--val-fraction", type=float, default=0.2, help="the training run's --val-fraction")
     bare.add_argument("--seed", type=int, default=0, help="the training run's --seed")
     return p
-
-
-def load_model(path: str | Path, device: torch.device, overrides: dict[str, Any] | None = None):
-    """(model on `device` in eval mode, the training configuration or None for a bare state dict)."""
-    checkpoint = load_checkpoint(path, device)
-    weights = state_dict_of(checkpoint)
-    model_args = checkpoint.get("model_args") or infer_model_args(strip_wrapper_prefixes(weights))
-    model_args = {**model_args, **{k: v for k, v in (overrides or {}).items() if v is not None}}
-    model = UNet3D(**model_args).to(device)
-    load_weights(model, weights, path)
-    return model.eval(), checkpoint.get("config"), checkpoint.get("class_names")
 
 
 def select_cases(data_dir: str | Path, split: str, val_fraction: float, seed: int) -> tuple[list[Case], Any]:
@@ -184,7 +170,7 @@ def evaluate(args: argparse.Namespace) -> int:
     class_names = class_names or spec.class_names
     if len(class_names) != model.num_classes:
         raise ValueError(f"the model predicts {model.num_classes} classes but {data_dir} has {class_names}")
-    modalities = [spec.modality[i] for i in range(spec.in_channels)]
+    modalities = spec.modalities
     divisor = model.size_divisor
     window = None  # None: fitted to each case
     if args.window:
@@ -207,7 +193,10 @@ def evaluate(args: argparse.Namespace) -> int:
         if any(w % divisor for w in case_window):
             raise ValueError(f"--window {case_window}: every size must be divisible by {divisor}")
         normalised = normalize(image, modalities)
-        pred = predict(model, normalised, case_window, device, args.overlap, sw_batch, amp_dtype, args.tta)
+        settings = InferenceSettings(
+            window=case_window, overlap=args.overlap, sw_batch_size=sw_batch, amp_dtype=amp_dtype, tta=args.tta
+        )
+        pred = predict(model, normalised, settings, device)
         pred = pred.cpu().numpy().astype(np.uint8)
         save_prediction(pred, img, out / "predictions" / f"{case.name}.nii.gz")
         ref = load_label(case.label)[0] if case.label is not None else None

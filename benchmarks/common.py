@@ -15,8 +15,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from unet3d import DiceCELoss, UNet3D
-from unet3d.amp import autocast
-from unet3d.layout import apply_memory_format
+from unet3d.precision import apply_memory_format, autocast
 
 NNUNET_FEATURES = (32, 64, 128, 256, 320)
 

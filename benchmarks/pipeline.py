@@ -131,8 +131,7 @@ def dataset_bytes(spec: DatasetSpec) -> int:
 
 
 def prepare_cache(spec: DatasetSpec, cache: Path) -> None:
-    modalities = [spec.modality[i] for i in range(spec.in_channels)]
-    errors = build_cache(spec.training, modalities, spec.num_classes, cache)
+    errors = build_cache(spec.training, spec.modalities, spec.num_classes, cache)
     if errors:
         raise ValueError("; ".join(errors))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import platform
@@ -39,10 +40,9 @@ from benchmarks.common import (  # noqa: E402
 )
 from data.msd import load_dataset_json  # noqa: E402
 from data.synthetic import write_synthetic_dataset  # noqa: E402
-from unet3d.amp import cpu_has_native_bf16, resolve_amp  # noqa: E402
-from unet3d.config import DEVICE_DEFAULTS, default_num_workers  # noqa: E402
-from unet3d.inference import sliding_window_inference  # noqa: E402
-from unet3d.layout import format_name, resolve_memory_format  # noqa: E402
+from unet3d.inference.sliding_window import InferenceSettings, sliding_window_inference  # noqa: E402
+from unet3d.precision import cpu_has_native_bf16, format_name, resolve_amp, resolve_memory_format  # noqa: E402  # noqa: E402
+from unet3d.training.config import DEVICE_DEFAULTS, default_num_workers  # noqa: E402
 
 
 @dataclass
@@ -273,7 +273,7 @@ def sliding_window_rows(device, quick: bool) -> list[Row]:
     outputs = {}
 
     def ours():
-        outputs["ours"] = sliding_window_inference(model, image, window, 0.5, 4)
+        outputs["ours"] = sliding_window_inference(model, image, InferenceSettings(window=window, sw_batch_size=4))
 
     def monai():
         outputs["monai"] = monai_swi(image[None], window, 4, reference, overlap=0.5, mode="gaussian")[0]
@@ -308,10 +308,10 @@ def scaling_rows(device, mixed, quick: bool) -> list[Row]:
     if len(counts) < 2:  # one GPU: no scaling to measure, and its 1-rank rate alone would be no row
         return []
     threads = 1 if device.type == "cpu" else max(1, pipeline.cpu_count() // max(counts))
-    rates = {
-        n: scaling.samples_per_s(n, threads, defaults["features"], defaults["patch_size"], 2, mixed, steps, device.type)
-        for n in counts
-    }
+    job = scaling.ScalingRun(
+        1, threads, tuple(defaults["features"]), tuple(defaults["patch_size"]), 2, mixed, steps, device.type
+    )
+    rates = {n: scaling.samples_per_s(dataclasses.replace(job, world=n)) for n in counts}
     rows = [
         Row(
             "DDP scaling",
@@ -325,9 +325,7 @@ def scaling_rows(device, mixed, quick: bool) -> list[Row]:
         if n > 1
     ]
     if device.type == "cpu":
-        alone = scaling.samples_per_s(
-            2, threads, defaults["features"], defaults["patch_size"], 2, mixed, steps, ddp=False
-        )
+        alone = scaling.samples_per_s(dataclasses.replace(job, world=2, ddp=False))
         rows.append(
             Row(
                 "DDP scaling",

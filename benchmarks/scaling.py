@@ -5,21 +5,22 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.common import TrainStep, release_gpu_memory, sync
 from unet3d import DiceCELoss, UNet3D
-from unet3d.amp import grad_scaler
-from unet3d.control import StepControl
-from unet3d.engine import train_one_epoch
-from unet3d.layout import apply_memory_format, resolve_memory_format
-from unet3d.optim import build_optimizer, build_schedule, optimizer_kernels
+from unet3d.precision import apply_memory_format, resolve_memory_format
+from unet3d.training.config import TrainConfig
+from unet3d.training.control import StepControl
+from unet3d.training.dist import DistInfo
+from unet3d.training.epoch import train_one_epoch
+from unet3d.training.runtime import Runtime, wrap_for_training
+from unet3d.training.state import new_state
 
 
 def _free_port() -> int:
@@ -28,42 +29,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _project_loop(rank, features, patch, batch, amp_dtype, steps, device):
+@dataclass(frozen=True)
+class ScalingRun:
+    """One measurement: `world` processes, each with `threads` threads, training `steps` timed steps."""
+
+    world: int
+    threads: int
+    features: tuple[int, ...]
+    patch: tuple[int, int, int]
+    batch: int
+    amp_dtype: torch.dtype | None
+    steps: int
+    device_type: str = "cpu"
+    ddp: bool = True  # the project's DDP training loop; False: independent processes (the machine's ceiling)
+
+
+def _project_loop(rank: int, job: ScalingRun, device: torch.device):
     """The project's own training loop (train_one_epoch: DDP, the per-step agreement, clipping) on one batch."""
+    cfg = TrainConfig(
+        features=job.features, patch_size=job.patch, batch_size=job.batch, epochs=10**6,
+        samples_per_epoch=job.steps * job.batch * job.world, lr=0.01, momentum=0.95, num_workers=0,
+    )  # fmt: skip
+    info = DistInfo(rank, rank, job.world, job.world, device)
+    memory_format = resolve_memory_format("auto", device, job.amp_dtype)
+    rt = Runtime(
+        cfg=cfg, dist=info, amp_dtype=job.amp_dtype, memory_format=memory_format, steps_per_epoch=job.steps,
+        show_progress=False,
+    )  # fmt: skip
     torch.manual_seed(rank)
-    model = apply_memory_format(UNet3D(1, 3, features).to(device), resolve_memory_format("auto", device, amp_dtype))
-    wrapped = DDP(model, device_ids=[rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-    # The kernels training picks: fused on GPUs, except under fp16 loss scaling (see optimizer_kernels).
-    optimizer = build_optimizer(model.parameters(), "sgd", 0.01, 3e-5, 0.95, optimizer_kernels(device, amp_dtype))
-    schedule, scaler = build_schedule(optimizer, "sgd"), grad_scaler(device, amp_dtype)
-    control = StepControl(device, max_bad_steps=5, budget=None, start_wall=time.time())
-    batch_data = (torch.randn(batch, 1, *patch), torch.randint(0, 3, (batch, *patch), dtype=torch.uint8))
+    model = apply_memory_format(UNet3D(1, 3, job.features).to(device), memory_format)
+    state = new_state(rt, model, {"in_channels": 1, "num_classes": 3, "features": list(job.features)}, ["0", "1", "2"])
+    wrapped = wrap_for_training(rt, model)
+    control = StepControl(device, cfg.max_bad_steps, budget=None, started=time.time())
+    batch = (torch.randn(job.batch, 1, *job.patch), torch.randint(0, 3, (job.batch, *job.patch), dtype=torch.uint8))
     loss = DiceCELoss()
 
     def run(count: int) -> None:
-        train_one_epoch(
-            wrapped,
-            [batch_data] * count,
-            count,
-            loss,
-            optimizer,
-            schedule,
-            scaler,
-            amp_dtype,
-            device,
-            0,
-            1,
-            control,
-            show_progress=False,
-        )
+        train_one_epoch(rt, state, wrapped, loss, [batch] * count, control)
 
     return run
 
 
-def _rank(rank, world, port, threads, features, patch, batch, amp_dtype, steps, device_type, ddp, results) -> None:
-    torch.set_num_threads(threads)
+def _rank(rank: int, job: ScalingRun, port: int, results) -> None:
+    torch.set_num_threads(job.threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", rank) if job.device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work: this rank's context on its own GPU only
         torch.backends.cudnn.benchmark = True  # as training runs (a spawned process starts with the default)
@@ -72,15 +82,15 @@ def _rank(rank, world, port, threads, features, patch, batch, amp_dtype, steps, 
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         rank=rank,
-        world_size=world,
+        world_size=job.world,
         timeout=timedelta(seconds=300),
         device_id=device if device.type == "cuda" else None,
     )
     try:
-        if ddp:
-            run = _project_loop(rank, features, patch, batch, amp_dtype, steps, device)
+        if job.ddp:
+            run = _project_loop(rank, job, device)
         else:
-            step = TrainStep(UNet3D(1, 3, features), patch, batch, amp_dtype, device)
+            step = TrainStep(UNet3D(1, 3, job.features), job.patch, job.batch, job.amp_dtype, device)
 
             def run(count: int) -> None:
                 for _ in range(count):
@@ -90,35 +100,24 @@ def _rank(rank, world, port, threads, features, patch, batch, amp_dtype, steps, 
         sync(device)
         dist.barrier()
         began = time.perf_counter()
-        run(steps)
+        run(job.steps)
         sync(device)
         dist.barrier()
         if rank == 0:
-            results.put(world * batch * steps / (time.perf_counter() - began))
+            results.put(job.world * job.batch * job.steps / (time.perf_counter() - began))
     finally:
         dist.destroy_process_group()
 
 
-def samples_per_s(
-    world: int,
-    threads: int,
-    features: Sequence[int],
-    patch: Sequence[int],
-    batch: int,
-    amp_dtype: torch.dtype | None,
-    steps: int,
-    device_type: str = "cpu",
-    ddp: bool = True,
-) -> float:
-    """Training samples per second of `world` DDP ranks (gloo on the CPU, nccl on GPUs) on random batches; with
-    ddp=False, of as many independent processes."""
-    if device_type == "cuda":
+def samples_per_s(job: ScalingRun) -> float:
+    """Training samples per second of `job.world` DDP ranks (gloo on the CPU, nccl on GPUs) on random batches;
+    with ddp=False, of as many independent processes."""
+    if job.device_type == "cuda":
         release_gpu_memory()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    args = (world, _free_port(), threads, tuple(features), tuple(patch), batch, amp_dtype, steps, device_type, ddp)
-    args = (*args, results)
-    procs = [ctx.Process(target=_rank, args=(r, *args)) for r in range(world)]
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, job, port, results)) for r in range(job.world)]
     for p in procs:
         p.start()
     rate = results.get(timeout=900)

@@ -27,7 +27,6 @@ class PatchDataset(Dataset):
         samples_per_epoch: the epoch's length, independent of the number of cases.
         fg_fraction: share of patches centred on a foreground voxel (nnU-Net: one third).
         seed: base seed of every sample's generator.
-        augment: whether to apply `data.augment.augment`.
 
     Items are addressed by (epoch, index) as `EpochSampler` yields them (a bare index means epoch 0)
     and are (image (C, *patch_size) float32, label (*patch_size) uint8) tensors.
@@ -40,7 +39,6 @@ class PatchDataset(Dataset):
         samples_per_epoch: int,
         fg_fraction: float = 1 / 3,
         seed: int = 0,
-        augment: bool = True,
     ) -> None:
         if not cases:
             raise ValueError("PatchDataset needs at least one case")
@@ -51,7 +49,6 @@ class PatchDataset(Dataset):
         self.samples_per_epoch = int(samples_per_epoch)
         self.fg_fraction = fg_fraction
         self.seed = seed
-        self.augment = augment
 
     def __len__(self) -> int:
         return self.samples_per_epoch
@@ -66,8 +63,7 @@ class PatchDataset(Dataset):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         case_idx, force_fg, rng = self.plan(epoch, index)
         image, label = sample_patch(self.cases[case_idx], self.patch_size, rng, force_fg)
-        if self.augment:
-            image, label = augment(image, label, rng)
+        image, label = augment(image, label, rng)
         return torch.from_numpy(image), torch.from_numpy(label)
 
 

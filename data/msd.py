@@ -40,6 +40,11 @@ class DatasetSpec:
         return len(self.modality)
 
     @property
+    def modalities(self) -> list[str]:
+        """One modality name per input channel, in channel order (what normalisation goes by)."""
+        return [self.modality[i] for i in range(self.in_channels)]
+
+    @property
     def class_names(self) -> list[str]:
         return [self.labels[i] for i in range(self.num_classes)]
 

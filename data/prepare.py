@@ -29,21 +29,33 @@ class DatasetError(ValueError):
         super().__init__(f"{len(problems)} problem(s) with the dataset {root}:\n  " + "\n  ".join(problems))
 
 
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """What chooses a run's data (the data fields of the training configuration)."""
+
+    data_dir: str | None  # dataset in the MSD layout; None: the synthetic dataset
+    synthetic_dir: str
+    synthetic_cases: int
+    synthetic_size: int
+    cache_dir: str | None  # None: runs/cache/<dataset>-<hash>
+    val_fraction: float
+    seed: int
+
+    @property
+    def synthetic_path(self) -> Path:
+        name = f"cases{self.synthetic_cases}_size{self.synthetic_size}_seed{self.seed}"
+        return Path(self.synthetic_dir) / name
+
+
 @dataclass(frozen=True)
 class RunData:
+    """The run's dataset, its split into training and validation cases, and its preprocessing cache."""
+
     data_dir: Path
     spec: DatasetSpec
     train: list[Case]
     val: list[Case]
     cache: Path
-
-    @property
-    def modalities(self) -> list[str]:
-        return [self.spec.modality[i] for i in range(self.spec.in_channels)]
-
-
-def synthetic_path(cfg) -> Path:
-    return Path(cfg.synthetic_dir) / f"cases{cfg.synthetic_cases}_size{cfg.synthetic_size}_seed{cfg.seed}"
 
 
 def default_cache_dir(data_dir: Path) -> Path:
@@ -51,7 +63,7 @@ def default_cache_dir(data_dir: Path) -> Path:
     return Path("runs/cache") / f"{data_dir.resolve().name}-{digest}"
 
 
-def resolve_data(cfg, run_once: Callable[[Callable[[], Path]], Path]) -> RunData:
+def resolve_data(cfg: DataConfig, run_once: Callable[[Callable[[], Path]], Path]) -> RunData:
     """The run's dataset (written by `run_once` when synthetic), its split and its cache folder.
 
     Raises FileNotFoundError / ValueError for a missing or malformed dataset.json; missing image files are
@@ -61,7 +73,7 @@ def resolve_data(cfg, run_once: Callable[[Callable[[], Path]], Path]) -> RunData
         data_dir = Path(cfg.data_dir)
     else:
         make = functools.partial(
-            write_synthetic_dataset, synthetic_path(cfg), cfg.synthetic_cases, cfg.synthetic_size, cfg.seed
+            write_synthetic_dataset, cfg.synthetic_path, cfg.synthetic_cases, cfg.synthetic_size, cfg.seed
         )
         data_dir = Path(run_once(make))
     spec = load_dataset_json(data_dir, require_files=False)
@@ -74,7 +86,7 @@ def dataset_problems(run: RunData, shard: int = 0, num_shards: int = 1) -> list[
     """Missing files, the split, and the content of this shard's cases (building their cache on the way)."""
     present = [c for c in run.spec.training if c.image.is_file() and c.label.is_file()]
     problems = missing_files(run.spec.training) + split_problems(run.spec, len(run.val))
-    return problems + build_cache(present, run.modalities, run.spec.num_classes, run.cache, shard, num_shards)
+    return problems + build_cache(present, run.spec.modalities, run.spec.num_classes, run.cache, shard, num_shards)
 
 
 def _shard_problems(args: tuple[RunData, int, int]) -> list[str]:

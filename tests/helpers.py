@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +56,7 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, args: tuple)
         LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
-    from unet3d import dist
+    from unet3d.training import dist
 
     info = dist.setup(timeout=timedelta(seconds=60))
     try:
@@ -78,3 +79,34 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
             for p in ctx.processes:
                 p.kill()
             raise AssertionError(f"{world_size} ranks did not finish within {timeout} s")
+
+
+def runtime(info, steps: int, amp_dtype: torch.dtype | None = None, **config):
+    """A Runtime for tests that call the training functions directly: a resolved configuration (tiny
+    network, SGD at lr 0.1, one epoch of `steps` steps) on `info`'s device, fields overridable."""
+    from unet3d.training.config import TrainConfig
+    from unet3d.training.runtime import Runtime
+
+    fields = dict(
+        features=(4, 8, 16), patch_size=(16, 16, 8), epochs=1, samples_per_epoch=steps * 2 * info.world_size,
+        lr=0.1, momentum=0.99, num_workers=0, max_bad_steps=3,
+    )  # fmt: skip
+    cfg = TrainConfig(**{**fields, **config})
+    return Runtime(
+        cfg=cfg, dist=info, amp_dtype=amp_dtype, memory_format=torch.contiguous_format, steps_per_epoch=steps
+    )
+
+
+def state_for(rt, model):
+    """A fresh TrainState around `model`, as training builds one (`unet3d.training.state.new_state`)."""
+    from unet3d.training.state import new_state
+
+    args = {"in_channels": model.in_channels, "num_classes": model.num_classes, "features": list(model.features)}
+    return new_state(rt, model, args, [f"class{k}" for k in range(model.num_classes)])
+
+
+def control_for(rt):
+    """The per-step agreement of a run without a time budget."""
+    from unet3d.training.control import StepControl
+
+    return StepControl(rt.device, rt.cfg.max_bad_steps, budget=None, started=time.time())

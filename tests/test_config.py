@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from unet3d.config import DEVICE_DEFAULTS, TrainConfig, build_parser, default_num_workers, parse_args, resolve
+from unet3d.training.config import DEVICE_DEFAULTS, TrainConfig, build_parser, default_num_workers, parse_args, resolve
 
 
 def test_every_field_is_an_option():
@@ -78,19 +78,3 @@ def test_readme_documents_every_option():
     missing = [a.option_strings[0] for a in build_parser()._actions if a.option_strings[0] != "-h"]
     missing = [opt for opt in missing if f"`{opt}" not in readme]
     assert not missing, f"README.md does not document {missing}"
-
-
-def test_amp_auto_picks_bf16_only_where_it_is_native(monkeypatch):
-    import torch
-
-    from unet3d import amp
-
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(amp, "cpu_has_native_bf16", lambda: True)
-    assert amp.resolve_amp("auto", cpu) == torch.bfloat16
-    monkeypatch.setattr(amp, "cpu_has_native_bf16", lambda: False)
-    assert amp.resolve_amp("auto", cpu) is None
-    assert amp.resolve_amp("off", cpu) is None and amp.resolve_amp("fp16", cpu) == torch.float16
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
-    assert amp.resolve_amp("auto", torch.device("cuda", 0)) == torch.float16, "pre-Ampere GPUs: fp16"
-    assert amp.grad_scaler(cpu, torch.float16).is_enabled() and not amp.grad_scaler(cpu, torch.bfloat16).is_enabled()

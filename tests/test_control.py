@@ -10,13 +10,14 @@ import time
 import pytest
 
 from tests.helpers import REPO
-from unet3d.config import parse_duration
-from unet3d.control import EXIT_MARGIN_S, TimeBudget, nan_fault_steps
+from unet3d.training.config import parse_duration
+from unet3d.training.control import EXIT_MARGIN_S, TimeBudget
+from unet3d.training.faults import fault_steps
 
 SCRIPT = """
 import os, signal, sys, time
 sys.path.insert(0, {repo!r})
-from unet3d.control import StopSignal
+from unet3d.training.control import StopSignal
 stop = StopSignal()
 if sys.argv[1] == "training":
     stop.install()
@@ -73,9 +74,10 @@ def test_time_budget_progress_and_reserve():
     assert budget.reserve_s == pytest.approx(6 + 2 + EXIT_MARGIN_S)
 
 
-def test_duration_and_fault_parsing(monkeypatch):
+def test_duration_and_fault_parsing():
     assert parse_duration("01:30:00") == parse_duration("5400") == parse_duration("90:00") == 5400.0
     with pytest.raises(ValueError, match="HH:MM:SS"):
         parse_duration("1h")
-    monkeypatch.setenv("UNET3D_FAULT_NAN", "1:3,4;0:9")
-    assert nan_fault_steps(1) == {3, 4} and nan_fault_steps(0) == {9} and nan_fault_steps(2) == set()
+    spec = "1:3,4;0:9"
+    assert fault_steps(spec, 1) == {3, 4} and fault_steps(spec, 0) == {9} and fault_steps(spec, 2) == set()
+    assert fault_steps("", 0) == set()

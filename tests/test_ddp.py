@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.helpers import spawn_ranks
-from unet3d import UNet3D, dist
-from unet3d.amp import grad_scaler
-from unet3d.control import StepControl
-from unet3d.engine import train_one_epoch
-from unet3d.inference import predict
+from tests.helpers import control_for, runtime, spawn_ranks, state_for
+from unet3d import UNet3D
+from unet3d.inference.metrics import case_metrics
+from unet3d.inference.sliding_window import InferenceSettings, predict
 from unet3d.loss import DiceCELoss
-from unet3d.metrics import case_metrics
-from unet3d.optim import build_optimizer, build_schedule
-from unet3d.validation import shard, validate
+from unet3d.training import dist
+from unet3d.training.epoch import train_one_epoch
+from unet3d.training.validation import shard, validate
 
 BATCH = 4
 
@@ -29,24 +26,10 @@ def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return image, label
 
 
-def sgd_steps(wrapped, model: UNet3D, batch, steps: int, device: torch.device):
+def sgd_steps(info: dist.DistInfo, wrapped, model: UNet3D, batch, steps: int):
     """`steps` real training steps (train_one_epoch, SGD at lr 0.1) on `batch` each time; their EpochStats."""
-    optimizer = build_optimizer(model.parameters(), "sgd", lr=0.1, weight_decay=3e-5)
-    return train_one_epoch(
-        wrapped,
-        [batch] * steps,
-        steps,
-        DiceCELoss(),
-        optimizer,
-        build_schedule(optimizer, "sgd"),
-        grad_scaler(device, None),
-        None,
-        device,
-        epoch=0,
-        epochs=1,
-        control=StepControl(device, max_bad_steps=3, budget=None, start_wall=time.time()),
-        show_progress=False,
-    )
+    rt = runtime(info, steps)
+    return train_one_epoch(rt, state_for(rt, model), wrapped, DiceCELoss(), [batch] * steps, control_for(rt))
 
 
 def my_share(info: dist.DistInfo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,14 +45,12 @@ def one_step(info: dist.DistInfo, out: Path) -> None:
     torch.manual_seed(0)
     model = UNet3D(1, 3, (4, 8, 16))
     wrapped = DDP(model) if dist.is_dist() else model
-    stats = sgd_steps(wrapped, model, my_share(info), 1, info.device)
+    stats = sgd_steps(info, wrapped, model, my_share(info), 1)
     if info.is_main:
         torch.save({"model": model.state_dict(), "loss": stats.loss, "samples": stats.samples}, out)
 
 
-def test_two_ranks_half_batch_equal_one_process_whole_batch(tmp_path, monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+def test_two_ranks_half_batch_equal_one_process_whole_batch(tmp_path, alone):
     single = tmp_path / "single.pt"
     one_step(dist.setup(), single)
     spawn_ranks(one_step, 2, tmp_path / "ddp.pt")
@@ -86,10 +67,8 @@ def test_two_ranks_half_batch_equal_one_process_whole_batch(tmp_path, monkeypatc
     assert moved > len(initial) // 2, "the step must change the weights for the comparison to mean anything"
 
 
-def test_half_batch_alone_differs(tmp_path, monkeypatch):
+def test_half_batch_alone_differs(tmp_path, alone):
     """Control: without DDP's gradient averaging, half the batch gives other weights."""
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
     one_step(dist.setup(), tmp_path / "single.pt")
     info = dist.DistInfo(0, 0, 2, 2, torch.device("cpu"))
     one_step(info, tmp_path / "half.pt")
@@ -114,16 +93,14 @@ def run_validation(info: dist.DistInfo, out: Path) -> None:
     torch.manual_seed(0)
     model = UNet3D(1, 3, (4, 8))
     mine = shard(make_val_cases(), info.rank, info.world_size)
-    result = validate(model, mine, 3, (8, 8, 8), info.device, overlap=0.5, sw_batch_size=2)
+    result = validate(model, mine, 3, InferenceSettings(window=(8, 8, 8)), info.device)
     torch.save(
         {"per_class": torch.from_numpy(result.per_class), "mean": result.mean_dice, "n": result.num_cases},
         out.with_name(f"{out.stem}_{info.rank}.pt"),
     )
 
 
-def test_distributed_validation_equals_single_process(tmp_path, monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+def test_distributed_validation_equals_single_process(tmp_path, alone):
     run_validation(dist.setup(), tmp_path / "single.pt")
     single = torch.load(tmp_path / "single_0.pt", weights_only=True)
     assert single["n"] == 5 and 0 < single["mean"] < 1
@@ -144,7 +121,7 @@ def test_distributed_validation_equals_single_process(tmp_path, monkeypatch):
 
 def evaluate_case(model, image, label) -> list[float]:
     """evaluate.py's per-case Dice for one case (the definition validation must reproduce)."""
-    pred = predict(model, image, (8, 8, 8), torch.device("cpu"), 0.5, 2).numpy()
+    pred = predict(model, image, InferenceSettings(window=(8, 8, 8)), torch.device("cpu")).numpy()
     return [1.0] + [row["dice"] for row in case_metrics(pred, label, 3, (1.0, 1.0, 1.0))]
 
 
@@ -153,7 +130,7 @@ def one_step_channels_last(info: dist.DistInfo, out: Path, threads: int) -> None
     import json
     import warnings
 
-    from unet3d.layout import apply_memory_format
+    from unet3d.precision import apply_memory_format
 
     torch.set_num_threads(threads)  # the weight gradients' strides of 1x1x1 kernels depend on it
     torch.manual_seed(0)
@@ -161,21 +138,19 @@ def one_step_channels_last(info: dist.DistInfo, out: Path, threads: int) -> None
     wrapped = DDP(model, gradient_as_bucket_view=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sgd_steps(wrapped, model, my_share(info), 2, info.device)
+        sgd_steps(info, wrapped, model, my_share(info), 2)
     (out / f"warnings{info.rank}.json").write_text(json.dumps([str(w.message) for w in caught]))
     if info.is_main:
         torch.save({"model": model.state_dict()}, out / "ddp.pt")
 
 
-def test_channels_last_ranks_step_as_the_contiguous_model_without_stride_warnings(tmp_path, monkeypatch):
+def test_channels_last_ranks_step_as_the_contiguous_model_without_stride_warnings(tmp_path, alone):
     """The CPU's default layout in fp32: same weights as channels-first, and DDP's buckets fit every gradient."""
     import json
 
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
     torch.manual_seed(0)
     model = UNet3D(1, 3, (4, 8, 16))
-    sgd_steps(model, model, make_batch(), 2, torch.device("cpu"))
+    sgd_steps(dist.DistInfo(0, 0, 1, 1, torch.device("cpu")), model, model, make_batch(), 2)
     for threads in (1, 2):
         out = tmp_path / str(threads)
         out.mkdir()

@@ -9,12 +9,10 @@ import pytest
 import torch
 
 from tests.helpers import spawn_ranks
-from unet3d import dist
+from unet3d.training import dist
 
 
-def test_read_env_defaults_to_one_process(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+def test_read_env_defaults_to_one_process(alone):
     assert dist.read_env() == (0, 0, 1, 1)
     assert dist.get_rank() == 0 and dist.get_world_size() == 1 and dist.is_main()
 
@@ -73,9 +71,7 @@ def test_setup_refuses_local_rank_without_a_visible_gpu(monkeypatch):
         dist.setup()
 
 
-def test_setup_alone_on_cpu_makes_no_process_group(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+def test_setup_alone_on_cpu_makes_no_process_group(alone, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     info = dist.setup()
     assert info.device == torch.device("cpu") and info.world_size == 1 and not dist.is_dist()

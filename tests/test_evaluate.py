@@ -15,7 +15,8 @@ from PIL import Image
 import evaluate
 from tests.helpers import run
 from unet3d import UNet3D
-from unet3d.gpus import mask_physical_gpu
+from unet3d.checkpoint import load_model
+from unet3d.inference.devices import mask_physical_gpu
 
 FEATURES = (4, 8, 16)
 
@@ -31,7 +32,7 @@ def weights() -> dict[str, torch.Tensor]:
 def test_bare_state_dicts_of_every_wrapper_load_identically(weights, prefix, wrap, tmp_path):
     saved = {prefix + k: v for k, v in weights.items()}
     torch.save({"state_dict": saved} if wrap else saved, tmp_path / "w.pt")
-    model, cfg, names = evaluate.load_model(tmp_path / "w.pt", torch.device("cpu"))
+    model, cfg, names = load_model(tmp_path / "w.pt", torch.device("cpu"))
     assert cfg is None and names is None and model.features == FEATURES and not model.training
     loaded = model.state_dict()
     assert loaded.keys() == weights.keys()
@@ -41,7 +42,7 @@ def test_bare_state_dicts_of_every_wrapper_load_identically(weights, prefix, wra
 def test_mismatched_weights_name_the_keys(weights, tmp_path):
     torch.save(weights, tmp_path / "w.pt")
     with pytest.raises(ValueError, match="does not fit the model") as err:
-        evaluate.load_model(tmp_path / "w.pt", torch.device("cpu"), {"features": [4, 8, 16, 32]})
+        load_model(tmp_path / "w.pt", torch.device("cpu"), {"features": [4, 8, 16, 32]})
     message = str(err.value)
     assert "missing keys: decoder.2.conv.0.weight" in message and "encoder.3.0.weight and 5 more" in message
     assert (
@@ -52,7 +53,7 @@ def test_mismatched_weights_name_the_keys(weights, tmp_path):
     weights["extra.weight"] = torch.zeros(1)
     torch.save(weights, tmp_path / "w2.pt")
     with pytest.raises(ValueError, match=r"missing keys: head.bias; unexpected keys: extra.weight"):
-        evaluate.load_model(tmp_path / "w2.pt", torch.device("cpu"))
+        load_model(tmp_path / "w2.pt", torch.device("cpu"))
 
 
 def test_prediction_keeps_shape_affine_and_labels(tmp_path):

@@ -6,24 +6,26 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-import train_ddp
-from unet3d import DiceCELoss, UNet3D, amp, dist
+from tests.helpers import control_for, runtime, state_for
+from unet3d import DiceCELoss, UNet3D
+from unet3d import precision as amp
 from unet3d.checkpoint import CheckpointError, load_checkpoint
-from unet3d.config import TrainConfig
-from unet3d.control import StepControl
-from unet3d.engine import train_one_epoch
 from unet3d.files import temp_path
-from unet3d.optim import build_optimizer, build_schedule, optimizer_kernels
-from unet3d.resume import restore
+from unet3d.training import dist
+from unet3d.training.config import TrainConfig
+from unet3d.training.epoch import train_one_epoch
+from unet3d.training.optim import build_optimizer, optimizer_kernels
+from unet3d.training.runtime import Runtime, describe_run
+from unet3d.training.state import TrainState
 
 GPU, CPU = torch.device("cuda", 0), torch.device("cpu")
+CF = torch.contiguous_format
 FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_v1.pt"
 
 
@@ -80,7 +82,7 @@ def test_device_report_without_props_uuid(monkeypatch, caplog):
     logger = logging.getLogger("unet3d")
     logger.propagate = True
     with caplog.at_level(logging.INFO, logger="unet3d"):
-        train_ddp.describe_run(cfg, run, info, torch.float16, torch.contiguous_format, 2)
+        describe_run(Runtime(cfg=cfg, dist=info, amp_dtype=torch.float16, memory_format=CF, steps_per_epoch=2), run)
     text = caplog.text
     assert "device cuda:0 = Tesla V100, CUDA_VISIBLE_DEVICES=" in text and "UUID" not in text
     monkeypatch.setattr(
@@ -88,20 +90,19 @@ def test_device_report_without_props_uuid(monkeypatch, caplog):
     )
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="unet3d"):
-        train_ddp.describe_run(cfg, run, info, torch.bfloat16, torch.contiguous_format, 2)
+        describe_run(Runtime(cfg=cfg, dist=info, amp_dtype=torch.bfloat16, memory_format=CF, steps_per_epoch=2), run)
     assert "= H100 (UUID GPU-1234-abcd)" in caplog.text
 
 
-def _resume_fixture_into(scaler: torch.amp.GradScaler, warnings: list[str], state_path: Path = FIXTURE):
-    state = load_checkpoint(state_path, "cpu")
-    cfg = TrainConfig(**{**state["config"], "amp": "fp16"})
-    model = UNet3D(**state["model_args"])
-    optimizer = build_optimizer(model.parameters(), "sgd", cfg.lr, cfg.weight_decay, cfg.momentum)
-    schedule = build_schedule(optimizer, "sgd")
-    position = restore(
-        state_path, cfg, state["model_args"], model, optimizer, schedule, scaler, 0, 2, CPU, warnings.append
-    )
-    return position, model
+def _resume_fixture_into(scaler: torch.amp.GradScaler, warnings: list[str], path: Path = FIXTURE) -> TrainState:
+    """The fixture checkpoint loaded into a TrainState whose scaler is `scaler`, as resume() does."""
+    checkpoint = load_checkpoint(path, "cpu")
+    rt = runtime(dist.DistInfo(0, 0, 2, 2, CPU), 2, **{**checkpoint["config"], "amp": "fp16"})
+    model = UNet3D(**checkpoint["model_args"])
+    state = state_for(rt, model)
+    state.scaler = scaler
+    state.load(checkpoint, source=str(path), rank=0, warn=warnings.append)
+    return state
 
 
 def test_fp16_resume_from_a_checkpoint_written_without_a_grad_scaler():
@@ -109,8 +110,8 @@ def test_fp16_resume_from_a_checkpoint_written_without_a_grad_scaler():
     assert load_checkpoint(FIXTURE, "cpu")["scaler"] == {}
     scaler = torch.amp.GradScaler("cpu", enabled=True)  # what --amp fp16 builds
     warnings: list[str] = []
-    position, _ = _resume_fixture_into(scaler, warnings)
-    assert position.epoch == 1 and scaler.get_scale() == 65536.0
+    state = _resume_fixture_into(scaler, warnings)
+    assert state.epoch == 1 and state.step == 0 and scaler.get_scale() == 65536.0
     assert any("holds no GradScaler state" in w for w in warnings), warnings
 
 
@@ -127,21 +128,18 @@ def test_fp16_overflow_steps_are_counted_skipped_and_left_out_of_the_loss():
     """At a huge initial scale the first fp16 steps overflow: skipped as the GradScaler does, counted, never a
     'bad step' fault (more of them in a row than --max-bad-steps), and their loss is not in the epoch mean."""
     torch.manual_seed(0)
-    model = UNet3D(1, 3, (4, 8))
-    optimizer = build_optimizer(model.parameters(), "sgd", 0.01, 0.0, 0.9, optimizer_kernels(CPU, torch.float16))
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
+    steps = 60
+    rt = runtime(dist.DistInfo(0, 0, 1, 1, CPU), steps, torch.float16, lr=0.01, momentum=0.9, max_bad_steps=3)
+    state = state_for(rt, UNet3D(1, 3, (4, 8)))
+    state.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
     label = torch.randint(0, 3, (2, 8, 8, 8))
     batch = (label[:, None].float() + torch.randn(2, 1, 8, 8, 8), label)
-    steps = 60
-    control = StepControl(CPU, max_bad_steps=3, budget=None, start_wall=time.time())
-    stats = train_one_epoch(
-        model, [batch] * steps, steps, DiceCELoss(), optimizer, build_schedule(optimizer, "sgd"), scaler,
-        torch.float16, CPU, epoch=0, epochs=1, control=control, show_progress=False,
-    )  # fmt: skip
+    stats = train_one_epoch(rt, state, state.model, DiceCELoss(), [batch] * steps, control_for(rt))
     assert stats.overflowed > 3, "more overflows in a row than --max-bad-steps, and no TrainingError"
     assert stats.skipped == 0 and stats.overflowed < steps
     assert stats.samples == 2 * (steps - stats.overflowed), "overflowed steps are not in the epoch's mean loss"
-    assert math.isfinite(stats.loss) and scaler.get_scale() < 2.0**60
+    assert math.isfinite(stats.loss) and state.scaler.get_scale() < 2.0**60
+    assert state.epoch == 1, "the epoch is counted as done"
 
 
 def test_temporary_names_differ_between_hosts_with_the_same_pid(monkeypatch, tmp_path):

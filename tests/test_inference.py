@@ -7,7 +7,13 @@ import torch
 from torch import nn
 
 from unet3d import UNet3D
-from unet3d.inference import gaussian_weight, predict, sliding_window_inference, window_starts
+from unet3d.inference.sliding_window import (
+    InferenceSettings,
+    gaussian_weight,
+    predict,
+    sliding_window_inference,
+    window_starts,
+)
 
 
 @pytest.mark.parametrize(("size", "window", "overlap"), [(50, 16, 0.5), (16, 16, 0.5), (17, 16, 0.25), (100, 32, 0)])
@@ -46,25 +52,53 @@ class Pointwise(nn.Module):
 def test_stitched_output_equals_whole_volume_output(size):
     model = Pointwise().eval()
     image = torch.randn(2, *size)
-    out = sliding_window_inference(model, image, (16, 16, 8), overlap=0.5, sw_batch_size=3)
+    out = sliding_window_inference(model, image, InferenceSettings(window=(16, 16, 8), sw_batch_size=3))
     assert out.shape == (3, *size)
     with torch.no_grad():
         direct = model.conv(image[None])[0]
     torch.testing.assert_close(out, direct, rtol=1e-5, atol=1e-5)
 
 
+class MirrorSymmetric(nn.Module):
+    """A 3x3x3 convolution whose kernel is the same under every mirroring of the axes: mirroring the input
+    mirrors the output exactly, so TTA that undoes its flips must give the plain prediction back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv3d(1, 3, 3, padding=1)
+        with torch.no_grad():
+            w = self.conv.weight
+            w.copy_(sum(w.flip(axes) for axes in [(), (2,), (3,), (4,), (2, 3), (2, 4), (3, 4), (2, 3, 4)]) / 8)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def test_tta_undoes_its_flips():
+    model = MirrorSymmetric()
+    image = torch.randn(1, 12, 10, 8)  # the size of the window: one window, no padding, no stitching
+    settings = InferenceSettings(window=(12, 10, 8))
+    plain = predict(model, image, settings, torch.device("cpu"))
+    assert not torch.equal(plain, plain.flip(0)), "the test needs a prediction that mirroring changes"
+    mirrored = predict(model, image, InferenceSettings(window=(12, 10, 8), tta=True), torch.device("cpu"))
+    assert torch.equal(mirrored, plain)
+    with torch.no_grad():  # and the equivariance the test relies on
+        torch.testing.assert_close(model(image.flip(1)[None])[0], model(image[None])[0].flip(1))
+
+
 def test_predict_with_tta_on_a_unet():
     torch.manual_seed(0)
     model = UNet3D(1, 3, (4, 8))
     image = torch.randn(1, 20, 13, 9).numpy()
-    plain = predict(model, image, (8, 8, 8), torch.device("cpu"))
-    mirrored = predict(model, image, (8, 8, 8), torch.device("cpu"), tta=True)
+    plain = predict(model, image, InferenceSettings(window=(8, 8, 8)), torch.device("cpu"))
+    mirrored = predict(model, image, InferenceSettings(window=(8, 8, 8), tta=True), torch.device("cpu"))
     assert plain.shape == mirrored.shape == (20, 13, 9) and plain.dtype == torch.int64
     assert int(plain.max()) < 3 and model.training, "predict restores the model's mode"
 
 
 def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="overlap"):
-        sliding_window_inference(Pointwise(), torch.randn(2, 16, 16, 8), (16, 16, 8), overlap=1.0)
+        InferenceSettings(window=(16, 16, 8), overlap=1.0)
     with pytest.raises(ValueError, match=r"\(C, X, Y, Z\)"):
-        sliding_window_inference(Pointwise(), torch.randn(16, 16, 8), (16, 16, 8))
+        sliding_window_inference(Pointwise(), torch.randn(16, 16, 8), InferenceSettings(window=(16, 16, 8)))

@@ -1,57 +1,44 @@
-"""Memory format: which layout each device and precision gets, and that channels-last computes the same."""
+"""The README's code layout section draws the tree as it is."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+import re
 
-from unet3d import DiceCELoss, UNet3D
-from unet3d.layout import apply_memory_format, format_name, resolve_memory_format
-
-CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
-CL, CONTIGUOUS = torch.channels_last_3d, torch.contiguous_format
+from tests.helpers import REPO
 
 
-def test_auto_is_channels_last_only_for_fp32_on_the_cpu():
-    assert resolve_memory_format("auto", CPU, None) == CL
-    assert resolve_memory_format("auto", CPU, torch.bfloat16) == CONTIGUOUS
-    assert resolve_memory_format("auto", GPU, None) == CONTIGUOUS  # torch.device only: no CUDA call
-    assert resolve_memory_format("auto", GPU, torch.float16) == CONTIGUOUS
-    assert resolve_memory_format("channels_last", GPU, torch.bfloat16) == CL
-    assert resolve_memory_format("contiguous", CPU, None) == CONTIGUOUS
-    assert [format_name(f) for f in (CL, CONTIGUOUS)] == ["channels_last", "contiguous"]
-    with pytest.raises(ValueError, match="'nhwc'"):
-        resolve_memory_format("nhwc", CPU, None)
+def layout_block() -> str:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Code layout", 1)[1]
+    return section.split("```", 2)[1]
 
 
-def test_apply_lays_out_the_3x3x3_weights_channels_last_and_keeps_the_head_channels_first():
-    model = apply_memory_format(UNet3D(2, 3, (4, 8, 16)), CL)
-    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv3d | torch.nn.ConvTranspose3d)]
-    assert len(convs) > 5
-    for conv in convs:
-        if conv is model.head:
-            assert conv.weight.stride() == torch.empty(conv.weight.shape).stride()
-        else:
-            assert conv.weight.is_contiguous(memory_format=CL) and not conv.weight.is_contiguous(), conv
-    assert model(torch.randn(1, 2, 16, 16, 8)).is_contiguous()  # logits channels-first, as the loss expects
+def test_the_layout_section_names_every_module_and_only_modules_that_exist():
+    block = layout_block()
+    named = set(re.findall(r"([a-z_]+\.py)", block))
+    modules = {p.name for p in (REPO / "unet3d").rglob("*.py") if p.name != "__init__.py"}
+    top = {p.name for p in REPO.glob("*.py")}
+    assert modules <= named, f"not in the README's layout: {sorted(modules - named)}"
+    assert named <= modules | top, f"named in the README but not in the tree: {sorted(named - modules - top)}"
+    for folder in ("training/", "inference/", "data/", "benchmarks/", "slurm/", "tests/"):
+        assert folder in block
 
 
-def test_channels_last_computes_what_channels_first_computes():
-    torch.manual_seed(0)
-    plain = UNet3D(2, 3, (4, 8, 16))
-    laid = apply_memory_format(UNet3D(2, 3, (4, 8, 16)), CL)
-    laid.load_state_dict(plain.state_dict())
-    x = torch.randn(2, 2, 16, 16, 8)
-    y = torch.randint(0, 3, (2, 16, 16, 8))
-    outs = []
-    for model in (plain, laid):
-        out = model(x)
-        DiceCELoss()(out, y).backward()
-        outs.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-5)
-    for name, grad in outs[0][1].items():
-        torch.testing.assert_close(outs[1][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
-    # the state dict loads into a channels-first model (evaluate.py on another machine)
-    again = UNet3D(2, 3, (4, 8, 16))
-    again.load_state_dict(laid.state_dict())
-    torch.testing.assert_close(again(x), outs[0][0], rtol=1e-4, atol=1e-5)
+def test_each_module_is_drawn_under_its_package():
+    current, seen = None, {}
+    for line in layout_block().splitlines():
+        match = re.match(r"(\s*)(\S+)", line)
+        if not match:
+            continue
+        indent, word = len(match.group(1)), match.group(2)
+        if word in ("training/", "inference/"):
+            current = word.rstrip("/")
+        elif indent <= 2:
+            current = None
+        for name in re.findall(r"([a-z_]+\.py)", line):
+            seen[name] = current
+    for path in (REPO / "unet3d").rglob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        package = path.parent.name if path.parent.name != "unet3d" else None
+        assert seen[path.name] == package, f"{path.relative_to(REPO)} is drawn under {seen[path.name]}"

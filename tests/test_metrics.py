@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from evaluate import summarise
-from unet3d.metrics import case_metrics, confusion_counts, dice_from_counts, hd95, iou_from_counts
+from unet3d.inference.metrics import case_metrics, confusion_counts, dice_from_counts, hd95, iou_from_counts
 
 
 def box(shape=(40, 40, 40), lo=(10, 10, 10), size=(10, 10, 10)) -> np.ndarray:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from unet3d.files import atomic_write
+from unet3d.model import UNet3D
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
 
@@ -142,3 +143,18 @@ def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
             f"shape mismatches: {show(misshapen)}"
         )
     model.load_state_dict(weights)
+
+
+def load_model(path: str | Path, device: torch.device, overrides: dict[str, Any] | None = None):
+    """(UNet3D on `device` in eval mode, the training configuration or None, the class names or None).
+
+    Reads train_ddp.py's checkpoints (which carry the architecture) and bare state dicts of any wrapper
+    (the architecture read off the weight shapes); `overrides` replace model arguments that are not None.
+    """
+    checkpoint = load_checkpoint(path, device)
+    weights = state_dict_of(checkpoint)
+    model_args = checkpoint.get("model_args") or infer_model_args(strip_wrapper_prefixes(weights))
+    model_args = {**model_args, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    model = UNet3D(**model_args).to(device)
+    load_weights(model, weights, path)
+    return model.eval(), checkpoint.get("config"), checkpoint.get("class_names")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -139,3 +140,8 @@ class UNet3D(nn.Module):
         # The 1x1x1 head runs channels-first whatever the model's memory format (see unet3d.layout): a
         # no-op for contiguous activations, a cheap copy of the last feature map for channels-last ones.
         return self.head(x.contiguous())
+
+
+def fit_patch(patch: Sequence[int], shape: Sequence[float], divisor: int) -> tuple[int, int, int]:
+    """`patch`, shrunk on each axis to `shape` rounded up to a multiple of `divisor` (a size UNet3D accepts)."""
+    return tuple(min(int(p), math.ceil(s / divisor) * divisor) for p, s in zip(patch, shape))

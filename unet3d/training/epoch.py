@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -11,28 +10,20 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from unet3d import dist
-from unet3d.amp import autocast
-from unet3d.control import StepControl
-from unet3d.logs import get_logger
-from unet3d.optim import ProgressSchedule
+from unet3d.precision import autocast
+from unet3d.training import dist
+from unet3d.training.control import StepControl, StopReason
+from unet3d.training.logs import get_logger
+from unet3d.training.runtime import Runtime
+from unet3d.training.state import PartialEpoch, TrainState
 
 POSTFIX_EVERY = 5  # steps between progress-bar loss readings (each one waits for the GPU)
 GRAD_CLIP = 12.0  # gradient-norm clipping, as nnU-Net
 
 
-@dataclass
-class EpochCarry:
-    """The part of an epoch trained before a stop, carried into the resumed run (totals over all ranks)."""
-
-    step: int = 0  # steps of the epoch already trained
-    loss_sum: float = 0.0
-    samples: int = 0
-    seconds: float = 0.0
-
-
 @dataclass(frozen=True)
 class EpochStats:
+    epoch: int  # the epoch trained, counted from 1
     loss: float  # mean training loss over every rank's samples (skipped steps left out)
     samples: int  # samples trained on, all ranks
     seconds: float
@@ -40,64 +31,50 @@ class EpochStats:
     steps_done: int  # steps of this epoch trained so far, carried ones included
     skipped: int  # steps skipped for a non-finite loss or gradient
     overflowed: int  # steps the fp16 loss scale overflowed in (skipped, as the GradScaler does)
-    stopped: str | None  # why training stopped inside this epoch, or None when it completed
+    stopped: StopReason | None  # why training stopped inside this epoch, or None when it completed
 
     @property
     def samples_per_s(self) -> float:
         return self.samples / max(self.seconds, 1e-9)
 
-    def carry(self) -> EpochCarry:
-        return EpochCarry(self.steps_done, self.loss * self.samples, self.samples, self.seconds)
-
 
 def train_one_epoch(
+    rt: Runtime,
+    state: TrainState,
     model: nn.Module,
-    loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    steps: int,
     loss_fn: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    schedule: ProgressSchedule,
-    scaler: torch.amp.GradScaler,
-    amp_dtype: torch.dtype | None,
-    device: torch.device,
-    epoch: int,
-    epochs: int,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     control: StepControl,
-    carry: EpochCarry | None = None,
-    fault_steps: frozenset[int] = frozenset(),
-    show_progress: bool = True,
 ) -> EpochStats:
-    """Train the epoch's remaining batches of (image (B, C, X, Y, Z), label (B, X, Y, Z)).
+    """Train epoch `state.epoch` on `batches` of (image (B, C, X, Y, Z), label (B, X, Y, Z)); advance `state`.
 
-    Every rank must call this. `steps` is the whole epoch's length; `carry` the part already trained, in
-    which case `loader` yields only the remaining batches. Before each step the learning rate follows
+    Every rank must call this. `model` is what the forward pass runs through (the DDP wrapper, a compiled
+    module or `state.model` itself); `batches` yields only the epoch's remaining batches when
+    `state.partial_epoch` says some were trained before a stop. Before each step the learning rate follows
     training progress; after each backward pass the ranks agree (`StepControl.agree`) whether to skip the
-    step (a non-finite loss or gradient anywhere) and whether to stop after it.
+    step and whether to stop after it. Afterwards `state` counts the epoch as done, or, after a stop, holds
+    the partial epoch's position and totals.
     """
-    carry = carry or EpochCarry()
+    steps, epochs, device = rt.steps_per_epoch, rt.cfg.epochs, rt.device
+    optimizer, schedule, scaler, carry = state.optimizer, state.schedule, state.scaler, state.partial_epoch
+    epoch = state.epoch
     model.train()
     log = get_logger()
-    world = dist.get_world_size()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     seen, skipped, overflowed, stopped, step = 0, 0, 0, None, carry.step
     elapsed = control.elapsed()
+    shown = rt.is_main and rt.show_progress
     bar = tqdm(
-        total=steps,
-        initial=carry.step,
-        desc=f"train {epoch + 1}/{epochs}",
-        disable=not (show_progress and dist.is_main()),
-        dynamic_ncols=True,
+        total=steps, initial=carry.step, desc=f"train {epoch + 1}/{epochs}", disable=not shown, dynamic_ncols=True
     )
     start = time.perf_counter()
-    for step, (image, label) in enumerate(loader, start=carry.step):
+    for step, (image, label) in enumerate(batches, start=carry.step):
         schedule.set_progress(control.progress((epoch + step / steps) / epochs, elapsed))
         image = image.to(device, non_blocking=True)
         label = label.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        with autocast(device, amp_dtype):
+        with autocast(device, rt.amp_dtype):
             loss = loss_fn(model(image), label)
-        if epoch * steps + step in fault_steps:
-            loss = loss * math.nan
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
@@ -121,7 +98,7 @@ def train_one_epoch(
         scaler.update()
         bar.update(1)
         if not bar.disable and (step % POSTFIX_EVERY == 0 or step == steps - 1):
-            rate = seen * world / max(time.perf_counter() - start, 1e-9)
+            rate = seen * rt.world_size / max(time.perf_counter() - start, 1e-9)
             bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}", samples_s=f"{rate:.1f}")
         if verdict.stop is not None:
             stopped = verdict.stop
@@ -132,5 +109,19 @@ def train_one_epoch(
     samples = int(totals[1].item()) + carry.samples
     seconds = time.perf_counter() - start + carry.seconds
     done = step + 1 if stopped is not None else steps
-    lr = schedule.get_last_lr()[0]
-    return EpochStats(loss_total / max(samples, 1), samples, seconds, lr, done, skipped, overflowed, stopped)
+    stats = EpochStats(
+        epoch + 1,
+        loss_total / max(samples, 1),
+        samples,
+        seconds,
+        schedule.get_last_lr()[0],
+        done,
+        skipped,
+        overflowed,
+        stopped,
+    )
+    if stopped is None:
+        state.epoch, state.partial_epoch = epoch + 1, PartialEpoch()
+    else:
+        state.partial_epoch = PartialEpoch(done, loss_total, samples, seconds)
+    return stats

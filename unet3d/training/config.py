@@ -13,13 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from unet3d import layout
+from data.prepare import DataConfig
+from unet3d import precision
+from unet3d.model import fit_patch
 
 CHOICES = {
     "optimizer": ("sgd", "adamw"),
     "loss": ("dice", "dice_ce"),
-    "amp": ("auto", "bf16", "fp16", "off"),
-    "memory_format": layout.CHOICES,
+    "amp": precision.AMP_CHOICES,
+    "memory_format": precision.MEMORY_FORMAT_CHOICES,
 }
 
 # Defaults by device type. GPUs get nnU-Net's 3d_fullres width and a large patch; the CPU defaults are
@@ -171,6 +173,10 @@ class TrainConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
 
+    def data(self) -> DataConfig:
+        """The fields that choose the run's data: its dataset, synthetic or not, its split and its cache."""
+        return DataConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DataConfig)})
+
 
 def _triple(value: int | Sequence[int], name: str) -> tuple[int, int, int]:
     values = (value,) if isinstance(value, int) else tuple(value)
@@ -184,11 +190,6 @@ def _triple(value: int | Sequence[int], name: str) -> tuple[int, int, int]:
 def default_num_workers(cpu_count: int, local_world_size: int) -> int:
     """DataLoader workers per rank: the rank's share of the CPUs less one for the training loop, 1..12."""
     return max(1, min(12, cpu_count // max(local_world_size, 1) - 1))
-
-
-def fit_patch(patch: Sequence[int], shape: Sequence[float], divisor: int) -> tuple[int, int, int]:
-    """`patch`, shrunk on each axis to `shape` rounded up to a multiple of `divisor`."""
-    return tuple(min(int(p), math.ceil(s / divisor) * divisor) for p, s in zip(patch, shape))
 
 
 def resolve(

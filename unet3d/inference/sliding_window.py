@@ -1,16 +1,17 @@
-"""Sliding-window inference over whole volumes with Gaussian importance weighting (as nnU-Net)."""
+"""Sliding-window inference over whole volumes with Gaussian importance weighting (as nnU-Net), and the one
+prediction path that validation and evaluate.py share."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 import torch
 from torch import nn
 
-from unet3d.amp import autocast
+from unet3d.precision import autocast
 
 
 def window_starts(size: int, window: int, overlap: float) -> list[int]:
@@ -25,53 +26,54 @@ def window_starts(size: int, window: int, overlap: float) -> list[int]:
     return [min(i * step, size - window) for i in range(count)]
 
 
+SIGMA_SCALE = 0.125  # the Gaussian's sigma per axis, as a fraction of the window (nnU-Net, MONAI)
+
+
+@dataclass(frozen=True, kw_only=True)
+class InferenceSettings:
+    """How a whole volume is predicted: the same settings in validation and in evaluate.py."""
+
+    window: tuple[int, int, int]  # sliding window (X, Y, Z), each a size the model accepts
+    overlap: float = 0.5  # fraction of a window shared with its neighbour, in [0, 1)
+    sw_batch_size: int = 2  # windows per forward pass
+    amp_dtype: torch.dtype | None = None  # autocast dtype, or None for full precision
+    tta: bool = False  # average the softmax over the 8 mirrorings of the three axes
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.overlap < 1:
+            raise ValueError(f"overlap must be in [0, 1), got {self.overlap}")
+        if self.sw_batch_size < 1:
+            raise ValueError(f"sw_batch_size must be >= 1, got {self.sw_batch_size}")
+        object.__setattr__(self, "window", tuple(int(w) for w in self.window))
+
+
 @lru_cache(maxsize=8)
-def _gaussian_cpu(window: tuple[int, ...], sigma_scale: float) -> torch.Tensor:
+def gaussian_weight(window: tuple[int, ...]) -> torch.Tensor:
+    """Importance map (*window) on the CPU: a Gaussian with sigma = window * SIGMA_SCALE per axis, floored
+    at 1e-3. Voxels near a window's border, which see less context, count less where windows overlap."""
     weight = None
     for w in window:
         x = torch.arange(-(w - 1) / 2.0, (w - 1) / 2.0 + 1, dtype=torch.float)
-        axis = torch.exp(x**2 / (-2 * (w * sigma_scale) ** 2))
+        axis = torch.exp(x**2 / (-2 * (w * SIGMA_SCALE) ** 2))
         weight = axis if weight is None else weight.unsqueeze(-1) * axis
     return weight.clamp_min(max(weight.min().item(), 1e-3))
 
 
-def gaussian_weight(window: Sequence[int], sigma_scale: float = 0.125, device: torch.device | None = None):
-    """Importance map (*window): a Gaussian with sigma = window * sigma_scale per axis, floored at 1e-3.
-
-    Voxels near a window's border, which see less context, count less where windows overlap.
-    """
-    return _gaussian_cpu(tuple(int(w) for w in window), sigma_scale).to(device)
-
-
 @torch.no_grad()
-def sliding_window_inference(
-    model: nn.Module,
-    image: torch.Tensor,
-    window: Sequence[int],
-    overlap: float = 0.5,
-    sw_batch_size: int = 2,
-    amp_dtype: torch.dtype | None = None,
-    gaussian: bool = True,
-) -> torch.Tensor:
-    """Logits of a whole volume, stitched from overlapping windows.
+def sliding_window_inference(model: nn.Module, image: torch.Tensor, settings: InferenceSettings) -> torch.Tensor:
+    """Logits of a whole volume, stitched from overlapping Gaussian-weighted windows.
 
     Args:
         model: maps (B, C, *window) to (B, K, *window); called in its current mode (use eval()).
         image: (C, X, Y, Z) on the model's device; any size, padded internally when smaller than the window.
-        window: window size (X, Y, Z), each a size the model accepts.
-        overlap: fraction of a window shared with its neighbour, in [0, 1).
-        sw_batch_size: windows per forward pass.
-        amp_dtype: autocast dtype, or None for full precision.
-        gaussian: weight windows by `gaussian_weight` (else uniformly).
+        settings: window, overlap, windows per pass and autocast dtype (`tta` is `predict`'s).
 
     Returns:
         (K, X, Y, Z) float32 logits on the image's device.
     """
-    if not 0 <= overlap < 1:
-        raise ValueError(f"overlap must be in [0, 1), got {overlap}")
     if image.ndim != 4:
         raise ValueError(f"expected an image (C, X, Y, Z), got shape {tuple(image.shape)}")
-    window = tuple(int(w) for w in window)
+    window, overlap = settings.window, settings.overlap
     size = tuple(image.shape[1:])
     pad = [max(w - s, 0) for w, s in zip(window, size)]
     if any(pad):
@@ -86,14 +88,14 @@ def sliding_window_inference(
         for z in window_starts(padded[2], window[2], overlap)
     ]
     device = image.device
-    weight = gaussian_weight(window, device=device) if gaussian else torch.ones(window, device=device)
+    weight = gaussian_weight(window).to(device)
     logits: torch.Tensor | None = None
     norm = torch.zeros(padded, device=device)
-    for i in range(0, len(starts), sw_batch_size):
-        chunk = starts[i : i + sw_batch_size]
+    for i in range(0, len(starts), settings.sw_batch_size):
+        chunk = starts[i : i + settings.sw_batch_size]
         slices = [tuple(slice(s, s + w) for s, w in zip(start, window)) for start in chunk]
         batch = torch.stack([image[(slice(None),) + sl] for sl in slices])  # (b, C, *window)
-        with autocast(device, amp_dtype):
+        with autocast(device, settings.amp_dtype):
             out = model(batch).float()  # (b, K, *window)
         if logits is None:
             logits = torch.zeros((out.shape[1],) + padded, device=device)
@@ -110,20 +112,13 @@ def sliding_window_inference(
 
 @torch.no_grad()
 def predict(
-    model: nn.Module,
-    image: np.ndarray | torch.Tensor,
-    window: Sequence[int],
-    device: torch.device,
-    overlap: float = 0.5,
-    sw_batch_size: int = 2,
-    amp_dtype: torch.dtype | None = None,
-    tta: bool = False,
+    model: nn.Module, image: np.ndarray | torch.Tensor, settings: InferenceSettings, device: torch.device
 ) -> torch.Tensor:
     """Label map of a whole normalised volume: the one prediction path of validation and evaluate.py.
 
     Args:
         image: (C, X, Y, Z) normalised intensities (NumPy arrays, memory maps included, are copied).
-        tta: average the softmax over the 8 combinations of mirroring the three axes.
+        settings: the sliding window, and with `tta` the softmax averaged over the 8 mirrorings.
 
     Returns:
         (X, Y, Z) int64 labels on `device`.
@@ -133,13 +128,13 @@ def predict(
     try:
         x = torch.from_numpy(np.array(image, dtype=np.float32)) if isinstance(image, np.ndarray) else image
         x = x.to(device, torch.float32)
-        if not tta:
-            return sliding_window_inference(model, x, window, overlap, sw_batch_size, amp_dtype).argmax(0)
+        if not settings.tta:
+            return sliding_window_inference(model, x, settings).argmax(0)
         probs = None
         for r in range(4):
             for axes in itertools.combinations((1, 2, 3), r):
                 flipped = x.flip(axes) if axes else x
-                logits = sliding_window_inference(model, flipped, window, overlap, sw_batch_size, amp_dtype)
+                logits = sliding_window_inference(model, flipped, settings)
                 p = torch.softmax(logits.flip(axes) if axes else logits, dim=0)
                 probs = p if probs is None else probs + p
         return probs.argmax(0)

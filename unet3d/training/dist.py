@@ -130,12 +130,19 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank `src`'s `obj` on every rank (picklable objects only)."""
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """The element-wise maximum of `tensor` over ranks, in place (a no-op alone); returns it."""
+    if is_dist():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (picklable objects only)."""
     if not is_dist():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=0)
     return box[0]
 
 

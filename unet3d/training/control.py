@@ -7,14 +7,19 @@ when it follows a time budget, is the same everywhere.
 
 from __future__ import annotations
 
+import enum
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from unet3d import dist
+from unet3d.training import dist
+from unet3d.training.logs import file_only, get_logger
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DEBOUNCE_S = 2.0  # one event often arrives twice (the terminal's Ctrl-C and torchrun forwarding it)
@@ -23,6 +28,18 @@ EXIT_MARGIN_S = 3.0  # a time-limited run's allowance for writing the last check
 
 class TrainingError(RuntimeError):
     """Training cannot go on (repeated non-finite steps, non-finite weights)."""
+
+
+class StopReason(enum.Enum):
+    """Why every rank stopped training inside an epoch (decisions go by the value, never by the message)."""
+
+    SIGNAL = "signal"  # SIGTERM or SIGINT on some rank
+    TIME_LIMIT = "time limit"  # --time-limit reached; a last validation still fits
+
+    def describe(self, budget: TimeBudget | None) -> str:
+        if self is StopReason.TIME_LIMIT and budget is not None:
+            return f"the time limit ({budget.limit_s:.0f} s)"
+        return "a stop signal (SIGTERM/SIGINT)" if self is StopReason.SIGNAL else "the time limit"
 
 
 class StopSignal:
@@ -84,7 +101,7 @@ class TimeBudget:
         validation = 0.1 * self.limit_s if validation_s is None else 1.5 * validation_s
         self.reserve_s = validation + 0.02 * self.limit_s + EXIT_MARGIN_S
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "limit_s": self.limit_s,
             "start_wall": self.start_wall,
@@ -92,51 +109,69 @@ class TimeBudget:
             "run_id": self.run_id,
         }
 
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> TimeBudget:
+        return cls(state["limit_s"], state["start_wall"], state["start_progress"], state["run_id"])
 
-def end_job_without_restart(local_rank: int) -> bool:
+    @classmethod
+    def for_job(
+        cls, limit_s: float | None, saved: TimeBudget | None, started: float, progress: float
+    ) -> TimeBudget | None:
+        """The --time-limit budget of this job: the saved one after a torchrun restart of the same job (same
+        run id and limit), else a new one that counts from launch.sh's start (so its pre-flight and torchrun's
+        start-up count too) and anneals from training `progress` so far."""
+        if limit_s is None:
+            return None
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", f"pid{os.getpid()}")
+        if saved is not None and saved.run_id == run_id and saved.limit_s == limit_s:
+            budget = cls(saved.limit_s, saved.start_wall, saved.start_progress, run_id)
+        else:
+            budget = cls(limit_s, float(os.environ.get("UNET3D_LAUNCH_TIME", started)), progress, run_id)
+        budget.plan_reserve(None)
+        return budget
+
+
+def end_job_without_restart() -> bool:
     """Ask torchrun's agent (this worker's parent) to end the job instead of restarting it.
 
-    For failures a restart would only repeat (bad input, repeated non-finite steps). Every rank reaches
-    such a failure together, and local rank 0 of each node stops its own agent. Returns whether it asked.
+    For failures a restart would only repeat (bad input, repeated non-finite steps, running out of GPU
+    memory). The agent then stops every worker of its node. Returns whether it asked (False when this
+    process was not started by torchrun).
     """
-    if local_rank != 0 or "TORCHELASTIC_RUN_ID" not in os.environ or os.getppid() <= 1:
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.getppid() <= 1:
         return False
     os.kill(os.getppid(), signal.SIGTERM)
     return True
-
-
-def nan_fault_steps(rank: int) -> set[int]:
-    """Global steps at which this rank's loss is made NaN, from UNET3D_FAULT_NAN="RANK:STEP,STEP;...".
-
-    A fault-injection hook for testing the non-finite guard end to end; unset in normal runs.
-    """
-    steps: set[int] = set()
-    for part in filter(None, os.environ.get("UNET3D_FAULT_NAN", "").split(";")):
-        who, _, when = part.partition(":")
-        if int(who) == rank:
-            steps.update(int(s) for s in when.split(",") if s)
-    return steps
 
 
 @dataclass
 class StepVerdict:
     skip: bool  # some rank saw a non-finite loss or gradient: nobody steps
     overflow: bool  # the fp16 loss scale overflowed on some rank: nobody steps, the scale is lowered
-    stop: str | None  # why every rank stops after this step, or None
+    stop: StopReason | None  # why every rank stops after this step, or None
     elapsed: float  # seconds since the budget's start, averaged over ranks
 
 
 class StepControl:
-    """Per-step agreement between ranks, and the count of consecutive skipped steps."""
+    """Per-step agreement between ranks, the stop signals, the time budget and the count of bad steps."""
 
-    def __init__(self, device: torch.device, max_bad_steps: int, budget: TimeBudget | None, start_wall: float):
+    def __init__(self, device: torch.device, max_bad_steps: int, budget: TimeBudget | None, started: float):
         self.device = device
         self.max_bad_steps = max_bad_steps
         self.budget = budget
-        self.start_wall = budget.start_wall if budget is not None else start_wall
+        self.start_wall = budget.start_wall if budget is not None else started
         self.signal = StopSignal()
         self.bad_in_a_row = 0
         self.progress_floor = 0.0
+
+    @contextmanager
+    def stop_signals(self) -> Iterator[None]:
+        """While training runs, SIGTERM/SIGINT ask for a graceful stop (`StopSignal`)."""
+        self.signal.install()
+        try:
+            yield
+        finally:
+            self.signal.uninstall()
 
     def elapsed(self) -> float:
         """Seconds since the budget's start, averaged over ranks (a collective: every rank calls it)."""
@@ -146,8 +181,9 @@ class StepControl:
     def agree(self, local_bad: torch.Tensor, local_overflow: torch.Tensor | bool = False) -> StepVerdict:
         """One all_reduce of [bad, overflow, stop requested, elapsed]; every rank must call this every step."""
         elapsed = time.time() - self.start_wall
-        flags = [local_bad, local_overflow, self.signal.received is not None, elapsed]
-        mine = torch.stack([torch.as_tensor(f, dtype=torch.float64).to(self.device).reshape(()) for f in flags])
+        host = torch.tensor([float(self.signal.received is not None), elapsed], dtype=torch.float64)
+        flags = [torch.as_tensor(f, device=self.device).double().reshape(1) for f in (local_bad, local_overflow)]
+        mine = torch.cat([*flags, host.to(self.device)])  # one copy to the device, one all_reduce
         bad, overflow, stop, elapsed_sum = dist.all_reduce_sum(mine).tolist()
         elapsed = elapsed_sum / dist.get_world_size()
         self.bad_in_a_row = self.bad_in_a_row + 1 if bad > 0 else 0
@@ -158,9 +194,9 @@ class StepControl:
             )
         reason = None
         if stop > 0:
-            reason = "a stop signal (SIGTERM/SIGINT)"
+            reason = StopReason.SIGNAL
         elif self.budget is not None and self.budget.exhausted(elapsed):
-            reason = f"the time limit ({self.budget.limit_s:.0f} s)"
+            reason = StopReason.TIME_LIMIT
         return StepVerdict(bad > 0, overflow > 0 and bad == 0, reason, elapsed)
 
     def progress(self, epoch_progress: float, elapsed: float) -> float:
@@ -168,3 +204,29 @@ class StepControl:
         p = epoch_progress if self.budget is None else max(epoch_progress, self.budget.progress(elapsed))
         self.progress_floor = max(self.progress_floor, p)
         return self.progress_floor
+
+
+def fail_together(error: Exception, info: dist.DistInfo) -> int:
+    """Every rank reached this verdict (bad input, repeated bad steps): rank 0 says it, each rank logs it,
+    and the job ends without torchrun restarting it. Returns the exit code: 2 for bad input, else 1."""
+    log = get_logger()
+    (log.error if info.is_main else lambda m: file_only(log, m))(f"error: {error}")
+    # Stopping the agent stops every local rank: first give them a moment to record the verdict too.
+    dist.arrive("failed", wait=10.0 if info.local_rank == 0 else 0.0)
+    if info.local_rank == 0 and end_job_without_restart():
+        file_only(log, "asked torchrun to end the job: a restart would repeat this failure")
+    return 1 if isinstance(error, TrainingError) else 2
+
+
+def fail_alone(error: torch.OutOfMemoryError, info: dist.DistInfo) -> int:
+    """This rank ran out of GPU memory: the others wait in a collective until torchrun stops them. A restart
+    would run out again, so this rank ends the job itself, with advice. Returns the exit code, 1."""
+    log = get_logger()
+    first = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+    log.error(
+        f"error: rank {info.rank} ({info.device}) ran out of memory ({first}); lower --batch-size or "
+        "--patch-size, or add --grad-checkpoint"
+    )
+    if end_job_without_restart():
+        file_only(log, "asked torchrun to end the job: a restart would run out of memory again")
+    return 1

@@ -1,0 +1,18 @@
+"""The distributed training runtime: everything one rank does under torchrun (or alone), in the order
+train_ddp.py uses it.
+
+    config         TrainConfig: the validated options, their device defaults, the command line
+    dist           the process group: set-up, rank accessors, the few collectives the trainer uses
+    runtime        Runtime: where and how this rank computes (device, precision, layout, steps); DDP wrapping
+    loading        the data on every rank: checked and cached together, the loader, the validation shard
+    state          TrainState: exactly what a checkpoint holds, with state_dict() and load()
+    checkpointing  when to save it, where to resume from, whether a checkpoint may be continued
+    optim          optimizers and the progress-driven learning-rate schedules
+    epoch          train_one_epoch: the step, and the per-step agreement between ranks
+    control        that agreement (bad steps, stop signals, the time budget), StopReason, failing together
+    validation     distributed validation, exact whatever the number of ranks
+    report         rank 0's epoch line, TensorBoard, the closing words
+    preflight      launch.sh's check of the data and the checkpoint before any rank starts
+    faults         fault injection for the tests (NaN losses, out of memory), off in normal runs
+    rng, logs      generator states as plain lists; per-rank log files
+"""

@@ -1,0 +1,129 @@
+"""When a run saves its TrainState, where it finds the one to resume from, and whether it may continue it.
+
+Saving: every rank refuses non-finite weights and contributes its generator states; global rank 0 writes
+`last.pt` (keeping the file it replaces as `previous.pt`) and, at a new best, `best.pt`, each atomically;
+every rank learns at once if that failed. Resuming: rank 0 picks the file (falling back past unreadable
+ones), every rank loads it onto its own device into the unwrapped model, before DDP wraps it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unet3d.checkpoint import CheckpointError, load_checkpoint, load_resumable, save_checkpoint
+from unet3d.training import dist, rng
+from unet3d.training.config import TrainConfig
+from unet3d.training.control import TrainingError
+from unet3d.training.logs import get_logger
+from unet3d.training.runtime import Runtime
+from unet3d.training.state import TrainState
+
+LAST, PREVIOUS, BEST = "last.pt", "previous.pt", "best.pt"
+REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "best_metric", "config", "model_args")
+# A checkpoint of another architecture, class set or patch cannot be continued.
+STRICT_FIELDS = ("features", "patch_size")
+# Continuing in the middle of an epoch needs the epoch's sample order: the same sharding and batches.
+POSITION_FIELDS = ("batch_size", "samples_per_epoch", "seed")
+# Settings that may change between runs without a word.
+FREE_FIELDS = (
+    "resume",
+    "prepare_only",
+    "num_workers",
+    "dist_timeout",
+    "setup_timeout",
+    "time_limit",
+    "cache_dir",
+    "compile",
+    "grad_checkpoint",
+    "memory_format",
+)
+
+
+def checkpoint_dir(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def save_checkpoints(rt: Runtime, state: TrainState, is_best: bool) -> None:
+    """Every rank: refuse non-finite weights, gather the generator states; rank 0 writes, all learn the outcome."""
+    if not torch.stack([torch.isfinite(p).all() for p in state.model.parameters()]).all():  # one device sync
+        raise TrainingError("the weights hold NaN or inf values: refusing to write a checkpoint")
+    rng_states = dist.all_gather_object(rng.capture(rt.device))
+    folder = checkpoint_dir(rt.out_dir)
+
+    def write() -> None:
+        checkpoint = state.state_dict(world_size=rt.world_size, rng_states=rng_states)
+        save_checkpoint(checkpoint, folder / LAST, previous=folder / PREVIOUS)
+        if is_best:
+            save_checkpoint(checkpoint, folder / BEST)
+
+    dist.run_on_main(write)
+
+
+def resume_source(cfg: TrainConfig) -> str | None:
+    """The checkpoint to continue from, or None (rank 0 decides, falling back past unreadable files)."""
+    found = find_resume(cfg.resume, cfg.out_dir, "cpu", get_logger().warning)
+    return str(found[0]) if found is not None else None
+
+
+def resume(rt: Runtime, state: TrainState, source: Path) -> None:
+    """Load `source` onto this rank's device into `state`, after checking that the run may continue it."""
+    checkpoint = load_checkpoint(source, rt.device)
+    changed = check_compatible(checkpoint, dataclasses.asdict(rt.cfg), state.model_args, rt.world_size, source)
+    log = get_logger()
+    if changed:
+        log.warning(f"resuming with changed settings: {', '.join(changed)}")
+    state.load(checkpoint, source=str(source), rank=rt.dist.rank, warn=log.warning)
+    log.info(f"resumed from {source}: {state.epoch} epoch(s) and {state.step} step(s) done")
+
+
+def find_resume(resume: str, out_dir: str | Path, device, warn: Callable[[str], None]) -> tuple[Path, dict] | None:
+    """The checkpoint to continue from and its content, or None to start fresh.
+
+    `auto`: last.pt, falling back to previous.pt (with a warning naming the unreadable file); files that
+    exist but none of which can be read are an error. `none`: start over. A path: that file or an error.
+    """
+    if resume == "none":
+        return None
+    if resume == "auto":
+        folder = checkpoint_dir(out_dir)
+        return load_resumable([folder / LAST, folder / PREVIOUS], device, REQUIRED_KEYS, warn)
+    path = Path(resume)
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume {resume}: no such checkpoint")
+    found = load_resumable([path], device, REQUIRED_KEYS, lambda message: None)
+    assert found is not None
+    return found
+
+
+def check_compatible(
+    state: dict[str, Any], config: dict[str, Any], model_args: dict[str, Any], world_size: int, source: Path
+) -> list[str]:
+    """Raise CheckpointError naming every field that forbids continuing; return the fields that changed."""
+    saved = state["config"]
+    errors = []
+    for name in ("in_channels", "num_classes"):
+        if state["model_args"][name] != model_args[name]:
+            errors.append(f"{name} (checkpoint {state['model_args'][name]}, now {model_args[name]})")
+    for name in STRICT_FIELDS:
+        if _plain(saved.get(name)) != _plain(config[name]):
+            errors.append(f"{name} (checkpoint {_plain(saved.get(name))}, now {_plain(config[name])})")
+    if state.get("step", 0) > 0:
+        saved_world = state.get("world_size")
+        if saved_world != world_size:
+            errors.append(f"world size (checkpoint {saved_world}, now {world_size}; needed to resume mid-epoch)")
+        for name in POSITION_FIELDS:
+            if saved.get(name) != config[name]:
+                errors.append(f"{name} (checkpoint {saved.get(name)}, now {config[name]}; needed to resume mid-epoch)")
+    if errors:
+        raise CheckpointError(f"cannot resume from {source}: the configuration differs in " + "; ".join(errors))
+    ignored = set(FREE_FIELDS) | set(STRICT_FIELDS) | set(POSITION_FIELDS)
+    return sorted(k for k in config if k not in ignored and _plain(saved.get(k)) != _plain(config[k]))
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value

@@ -1,0 +1,123 @@
+"""Where and how this rank computes: its place in the job, the resolved configuration, precision, layout and
+the epoch's length. Built once at start, after the data is known, and never changed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from data.patches import PreparedCase
+from data.prepare import RunData
+from unet3d.inference.sliding_window import InferenceSettings
+from unet3d.precision import format_name, resolve_amp, resolve_memory_format
+from unet3d.training import dist
+from unet3d.training.config import TrainConfig, resolve
+from unet3d.training.logs import get_logger
+
+
+@dataclass(frozen=True, kw_only=True)
+class Runtime:
+    cfg: TrainConfig  # resolved: no field left at None
+    dist: dist.DistInfo  # rank, local rank, world size, device
+    amp_dtype: torch.dtype | None  # autocast dtype, None for full precision
+    memory_format: torch.memory_format  # layout of the model's activations
+    steps_per_epoch: int  # optimizer steps per epoch, the same on every rank
+    show_progress: bool = True  # rank 0's progress bar (benchmarks and tests that step directly turn it off)
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the only rank that writes checkpoints, TensorBoard logs and the console report."""
+        return self.dist.is_main
+
+    @property
+    def world_size(self) -> int:
+        return self.dist.world_size
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.out_dir)
+
+    def inference(self) -> InferenceSettings:
+        """Validation's sliding window: the training patch, --val-overlap, one window per sample of a batch."""
+        return InferenceSettings(
+            window=self.cfg.patch_size,
+            overlap=self.cfg.val_overlap,
+            sw_batch_size=self.cfg.batch_size,
+            amp_dtype=self.amp_dtype,
+        )
+
+
+def resolve_config(cfg: TrainConfig, run: RunData, info: dist.DistInfo, cases: Sequence[PreparedCase]) -> TrainConfig:
+    """Fill the device- and data-dependent defaults (the patch follows the median case); record the dataset."""
+    median_shape = np.median([c.label.shape for c in cases], axis=0)
+    cpus = len(os.sched_getaffinity(0))
+    cfg = dataclasses.replace(cfg, data_dir=str(run.data_dir))
+    return resolve(cfg, info.device.type, info.world_size, median_shape, cpus, info.local_world_size)
+
+
+def make_runtime(cfg: TrainConfig, info: dist.DistInfo, run: RunData, cases: Sequence[PreparedCase]) -> Runtime:
+    """The Runtime of this rank, for training on `cases` (the prepared training cases)."""
+    cfg = resolve_config(cfg, run, info, cases)
+    amp_dtype = resolve_amp(cfg.amp, info.device)
+    torch.backends.cudnn.benchmark = True  # one patch size throughout: let cuDNN pick its fastest kernels
+    return Runtime(
+        cfg=cfg,
+        dist=info,
+        amp_dtype=amp_dtype,
+        memory_format=resolve_memory_format(cfg.memory_format, info.device, amp_dtype),
+        steps_per_epoch=cfg.samples_per_epoch // (cfg.batch_size * info.world_size),
+    )
+
+
+def describe_run(rt: Runtime, run: RunData) -> None:
+    """The start-up report: every rank's device (a collective), the batch arithmetic, the data, the config."""
+    info, cfg = rt.dist, rt.cfg
+    mine = f"rank {info.rank}: host {socket.gethostname()}, local rank {info.local_rank}, device {info.device}"
+    if info.device.type == "cuda":
+        props = torch.cuda.get_device_properties(info.device)
+        uuid = getattr(props, "uuid", None)  # not on every torch this project allows
+        mine += f" = {props.name}" + (f" (UUID GPU-{uuid})" if uuid is not None else "")
+    mine += f", CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
+    devices = dist.all_gather_object(mine)
+    log = get_logger()
+    log.info("devices:\n  " + "\n  ".join(devices))
+    if info.world_size == 1:
+        log.info("running alone: one process, no process group, no DistributedDataParallel")
+    log.info(
+        f"world size {info.world_size}, batch {cfg.batch_size} per process, global batch "
+        f"{cfg.batch_size * info.world_size}, {rt.steps_per_epoch} step(s) per epoch, {cfg.num_workers} "
+        "DataLoader worker(s) per process"
+    )
+    log.info(
+        f"data {run.data_dir}: {len(run.train)} training, {len(run.val)} validation case(s), "
+        f"classes {run.spec.class_names}, cache {run.cache}"
+    )
+    log.info(
+        f"precision {rt.amp_dtype or torch.float32}, memory format {format_name(rt.memory_format)}; checkpoints in "
+        f"{rt.out_dir / 'checkpoints'}, TensorBoard logs in {rt.out_dir / 'tensorboard'}, per-rank logs in "
+        f"{rt.out_dir / 'logs'}; configuration:\n  "
+        + "\n  ".join(f"{k} = {v}" for k, v in dataclasses.asdict(cfg).items())
+    )
+
+
+def wrap_for_training(rt: Runtime, model: torch.nn.Module) -> torch.nn.Module:
+    """What the training forward pass runs through: DDP with several ranks (the model itself alone: no
+    process group, nothing to synchronise), compiled with --compile. Checkpoints and validation keep
+    using the unwrapped model."""
+    wrapped = model
+    if dist.is_dist():
+        device_ids = [rt.dist.local_rank] if rt.device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    return torch.compile(wrapped) if rt.cfg.compile else wrapped

@@ -1,0 +1,157 @@
+"""What a checkpoint holds, as one object: the model and its optimisation state, and where training stands.
+
+The position is exact: `epoch` epochs completed plus, after a graceful stop, `partial_epoch.step` steps of
+the next one with that partial epoch's totals. With every rank's generator states (saved beside it) a run
+resumed from a checkpoint continues as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from data.msd import DatasetSpec
+from unet3d.checkpoint import CheckpointError, load_weights
+from unet3d.model import UNet3D
+from unet3d.precision import apply_memory_format, grad_scaler
+from unet3d.training import rng
+from unet3d.training.config import TrainConfig
+from unet3d.training.control import TimeBudget
+from unet3d.training.optim import ProgressSchedule, build_optimizer, build_schedule, optimizer_kernels
+from unet3d.training.runtime import Runtime
+
+CHECKPOINT_FORMAT = 2  # 1: before TrainState (no "format" key), which loads the same way
+
+
+@dataclass
+class PartialEpoch:
+    """The part of an epoch trained before a stop, carried into the resumed run (totals over all ranks)."""
+
+    step: int = 0  # steps of the epoch already trained
+    loss_sum: float = 0.0
+    samples: int = 0
+    seconds: float = 0.0
+
+
+def model_args(spec: DatasetSpec, features: Sequence[int]) -> dict[str, Any]:
+    """UNet3D's arguments for a dataset: the one place they are built (training, pre-flight, checkpoints)."""
+    return {"in_channels": spec.in_channels, "num_classes": spec.num_classes, "features": list(features)}
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """Everything a checkpoint holds, `state_dict()` to write it and `load()` to continue from it.
+
+    `model` is the unwrapped model (never the DDP wrapper or a compiled module), so checkpoints carry no
+    `module.` or `_orig_mod.` prefix.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: ProgressSchedule
+    scaler: torch.amp.GradScaler
+    config: TrainConfig  # the resolved configuration
+    model_args: dict[str, Any]  # UNet3D(**model_args)
+    class_names: list[str]
+    epoch: int = 0  # epochs completed
+    partial_epoch: PartialEpoch = field(default_factory=PartialEpoch)  # of the next epoch, after a stop
+    best_metric: float = -math.inf  # the best mean validation Dice so far
+    budget: TimeBudget | None = None  # the --time-limit budget of the job that trains now
+
+    @property
+    def step(self) -> int:
+        """Steps of the next epoch already trained (non-zero only after a graceful stop)."""
+        return self.partial_epoch.step
+
+    def record(self, mean_dice: float | None) -> bool:
+        """Note a validation result; whether it is a new best."""
+        if mean_dice is None or not mean_dice > self.best_metric:
+            return False
+        self.best_metric = mean_dice
+        return True
+
+    def state_dict(self, *, world_size: int, rng_states: list[dict[str, Any]]) -> dict[str, Any]:
+        """The checkpoint: plain types and tensors only, loadable with weights_only=True.
+
+        Args:
+            world_size: the number of ranks that trained (continuing mid-epoch needs the same number).
+            rng_states: every rank's generator states (`rng.capture`), in rank order.
+        """
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.schedule.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "epoch_partial": dataclasses.asdict(self.partial_epoch),  # the key of format 1
+            "best_metric": self.best_metric,
+            "config": dataclasses.asdict(self.config),
+            "model_args": dict(self.model_args),
+            "class_names": list(self.class_names),
+            "world_size": world_size,
+            "rng": rng_states,
+            "time_budget": self.budget.state_dict() if self.budget is not None else None,
+        }
+
+    def load(self, checkpoint: dict[str, Any], *, source: str, rank: int, warn: Callable[[str], None]) -> None:
+        """Continue from `checkpoint` (a `state_dict()` of format 1 or 2, loaded onto this rank's device).
+
+        This rank's generator states are restored when the world size is the one that wrote them. The saved
+        time budget is restored as it was; `TimeBudget.for_job` decides whether it still applies.
+        """
+        load_weights(self.model, checkpoint["model"], source)
+        try:
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.schedule.load_state_dict(checkpoint["scheduler"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:  # a restart would only repeat it
+            raise CheckpointError(
+                f"cannot resume from {source}: its optimizer or schedule state does not fit ({e})"
+            ) from e
+        if self.scaler.is_enabled() and not checkpoint["scaler"]:
+            # Written without fp16 loss scaling (fp32 or bf16): the scale starts afresh, as in a new run.
+            warn(f"{source} holds no GradScaler state (it was trained without fp16): the loss scale starts afresh")
+        else:
+            self.scaler.load_state_dict(checkpoint["scaler"])  # a no-op for a disabled scaler
+        saved_rng = checkpoint.get("rng") or []
+        if len(saved_rng) == checkpoint.get("world_size"):
+            rng.restore(saved_rng[rank], next(self.model.parameters()).device)  # the model is on this rank's device
+        self.epoch = int(checkpoint["epoch"])
+        step = int(checkpoint.get("step", 0))
+        self.partial_epoch = PartialEpoch(**checkpoint["epoch_partial"]) if step else PartialEpoch()
+        self.best_metric = float(checkpoint["best_metric"])
+        saved_budget = checkpoint.get("time_budget")
+        self.budget = TimeBudget.from_state(saved_budget) if saved_budget else None
+
+
+def build_state(rt: Runtime, spec: DatasetSpec) -> TrainState:
+    """A fresh TrainState for a dataset on this rank's device, the model laid out in the run's memory format."""
+    args = model_args(spec, rt.cfg.features)
+    torch.manual_seed(rt.cfg.seed)  # the same initial weights on every rank (DDP would broadcast them anyway)
+    model = apply_memory_format(UNet3D(**args).to(rt.device), rt.memory_format)
+    model.grad_checkpoint = rt.cfg.grad_checkpoint
+    return new_state(rt, model, args, spec.class_names)
+
+
+def new_state(rt: Runtime, model: nn.Module, args: dict[str, Any], class_names: Sequence[str]) -> TrainState:
+    """A fresh TrainState around `model` (built from `args`): the optimizer with the kernels that are safe
+    for the run's precision, its schedule and the loss scaler."""
+    cfg = rt.cfg
+    kernels = optimizer_kernels(rt.device, rt.amp_dtype)
+    optimizer = build_optimizer(model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, kernels)
+    return TrainState(
+        model=model,
+        optimizer=optimizer,
+        schedule=build_schedule(optimizer, cfg.optimizer),
+        scaler=grad_scaler(rt.device, rt.amp_dtype),
+        config=cfg,
+        model_args=dict(args),
+        class_names=list(class_names),
+    )

@@ -1,0 +1,102 @@
+"""Validation with every rank taking part: each scores its own cases, all_reduces combine them.
+
+The mean Dice is defined as in evaluate.py: per foreground class, the mean over cases of that case's
+Dice; then the mean over classes. Ranks sum their cases' Dice and count their cases, and reducing those
+sums gives exactly the single-process number, whatever the number of ranks and with no case counted twice
+(no sampler padding). Ranks go through their cases in lockstep, one reduction per round of one case
+each, so a rank with fewer cases (or none: more ranks than cases) waits at most one case's time in a
+collective, never all of the others' validation, which on a large dataset could outlast --dist-timeout.
+Each rank runs the unwrapped model, never the DDP wrapper, so no rank waits on another's forward pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from data.patches import PreparedCase
+from unet3d.inference.metrics import confusion_counts, dice_from_counts
+from unet3d.inference.pictures import middle_planes
+from unet3d.inference.sliding_window import InferenceSettings, predict
+from unet3d.training import dist
+from unet3d.training.config import TrainConfig
+from unet3d.training.control import StepControl, StopReason
+from unet3d.training.runtime import Runtime
+
+
+def shard(items: Sequence, rank: int, world_size: int) -> list:
+    """This rank's share of `items`: items[rank::world_size], no padding, every item exactly once."""
+    return list(items)[rank::world_size]
+
+
+@dataclass
+class ValResult:
+    per_class: np.ndarray  # (K - 1,) mean Dice per foreground class over all ranks' cases
+    mean_dice: float  # mean of per_class: the same definition as evaluate.py's mean_dice
+    num_cases: int  # over all ranks
+    preview: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # middle planes of the first case, where kept
+
+
+def validate(
+    model: nn.Module,
+    cases: Sequence[tuple[np.ndarray, np.ndarray]],
+    num_classes: int,
+    settings: InferenceSettings,
+    device: torch.device,
+    keep_preview: bool = False,
+) -> ValResult:
+    """Per-class and mean Dice over every rank's validation cases. Every rank must call this.
+
+    Args:
+        model: the unwrapped model (not the DDP wrapper).
+        cases: this rank's (image (C, X, Y, Z), label (X, Y, Z)) pairs; may be empty.
+        settings: the sliding-window inference settings.
+        keep_preview: keep the middle planes of this rank's first case (`pictures.middle_planes`) for a
+            picture; only the rank that draws it should, so the others hold no copy of a volume.
+    """
+    rounds = int(dist.all_reduce_max(torch.tensor([len(cases)], dtype=torch.float64, device=device)).item())
+    totals = torch.zeros(num_classes + 1, dtype=torch.float64, device=device)  # Dice sums per class, cases
+    preview = None
+    for i in range(rounds):
+        mine = torch.zeros(num_classes + 1, dtype=torch.float64, device=device)
+        if i < len(cases):
+            image, label = cases[i]
+            pred = predict(model, image, settings, device)
+            ref = torch.from_numpy(np.array(label)).to(device)
+            mine[:num_classes] = dice_from_counts(confusion_counts(pred, ref, num_classes))
+            mine[num_classes] = 1
+            if keep_preview and preview is None:
+                preview = middle_planes(image, label, pred)
+        totals += dist.all_reduce_sum(mine)  # every rank, every round: a round waits for one case at most
+    n = int(totals[-1].item())
+    if n == 0:
+        raise ValueError("validation has no cases")
+    per_class = (totals[1:num_classes] / n).cpu().numpy()
+    return ValResult(per_class, float(per_class.mean()), n, preview)
+
+
+def validation_due(cfg: TrainConfig, epochs_done: int, stopped: StopReason | None) -> bool:
+    """Every --val-every epochs and after the last; after a stop only for the time limit, whose budget
+    keeps room for this last validation (a stop signal wants the job gone quickly)."""
+    if stopped is not None:
+        return stopped is StopReason.TIME_LIMIT
+    return epochs_done % cfg.val_every == 0 or epochs_done == cfg.epochs
+
+
+def run_validation(
+    rt: Runtime, model: nn.Module, cases: Sequence[PreparedCase], num_classes: int, control: StepControl
+) -> ValResult:
+    """`validate` this rank's cases; with a time budget, the time it took (agreed across ranks) sizes the
+    room kept for the next one."""
+    began = time.perf_counter()
+    pairs = [(c.image, c.label) for c in cases]
+    val = validate(model, pairs, num_classes, rt.inference(), rt.device, keep_preview=rt.is_main)
+    if control.budget is not None:  # the reserve steers every rank's learning rate: it must be the same everywhere
+        seconds = dist.all_reduce_sum(torch.tensor([time.perf_counter() - began], device=rt.device))
+        control.budget.plan_reserve(seconds.item() / rt.world_size)
+    return val
