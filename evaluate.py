@@ -21,13 +21,16 @@ import nibabel as nib
 import numpy as np
 from tqdm import tqdm
 
-from data.msd import Case, load_dataset_json, split_cases
-from data.nifti import load_image, load_label, normalize, spacing
+from data.geometry import to_native
+from data.msd import Case, DatasetSpec, load_dataset_json, split_cases
+from data.nifti import load_image, load_label, spacing
+from data.plan import Plan, legacy_plan
+from data.preprocess import preprocess
 from unet3d.checkpoint import load_model
 from unet3d.inference.devices import choose_device
 from unet3d.inference.metrics import case_metrics
-from unet3d.inference.pictures import overlay_row, write_overview
-from unet3d.inference.sliding_window import InferenceSettings, predict
+from unet3d.inference.pictures import Preview, middle_planes, overlay, write_overview
+from unet3d.inference.sliding_window import InferenceSettings, predict_probabilities
 from unet3d.model import fit_patch
 from unet3d.precision import (
     AMP_CHOICES,
@@ -157,20 +160,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def evaluation_plan(checkpoint: dict[str, Any], spec: DatasetSpec, source: str) -> Plan:
+    """The plan the checkpoint was trained with; checkpoints from before plans, and bare state dicts, use
+    their cases as stored (plan "none"), as they were trained."""
+    if "plan" in checkpoint:
+        return Plan.from_dict(checkpoint["plan"])
+    cfg = checkpoint.get("config") or {}
+    what = "is from before plans" if cfg else "is a bare state dict"
+    print(f"note: {source} {what}: cases are used as stored (plan none: no reorientation, resampling or crop)")
+    return legacy_plan(spec.modalities, cfg.get("patch_size", (128, 128, 128)), cfg.get("features", (1, 1)))
+
+
 def evaluate(args: argparse.Namespace) -> int:
     device = choose_device(args.gpu, args.device)  # masks --gpu before anything touches CUDA
     overrides = {"in_channels": args.in_channels, "num_classes": args.num_classes, "features": args.features}
-    model, cfg, class_names = load_model(args.checkpoint, device, overrides)
+    model, checkpoint = load_model(args.checkpoint, device, overrides)
+    cfg = checkpoint.get("config")
     data_dir = args.data_dir or (cfg or {}).get("data_dir")
     if data_dir is None:
         raise ValueError(f"{args.checkpoint} carries no configuration: give --data-dir")
     val_fraction = cfg["val_fraction"] if cfg else args.val_fraction
     seed = cfg["seed"] if cfg else args.seed
     cases, spec = select_cases(data_dir, args.split, val_fraction, seed)
-    class_names = class_names or spec.class_names
+    class_names = checkpoint.get("class_names") or spec.class_names
     if len(class_names) != model.num_classes:
         raise ValueError(f"the model predicts {model.num_classes} classes but {data_dir} has {class_names}")
-    modalities = spec.modalities
+    plan = evaluation_plan(checkpoint, spec, args.checkpoint)
     divisor = model.size_divisor
     window = None  # None: fitted to each case
     if args.window:
@@ -189,31 +204,35 @@ def evaluate(args: argparse.Namespace) -> int:
     scored = 0
     for case in tqdm(cases, desc=f"evaluate {args.split}", unit="case"):
         image, img = load_image(case.image)
-        case_window = window or fit_patch((128, 128, 128), image.shape[1:], divisor)
-        if any(w % divisor for w in case_window):
-            raise ValueError(f"--window {case_window}: every size must be divisible by {divisor}")
-        normalised = normalize(image, modalities)
+        ref = load_label(case.label)[0] if case.label is not None else None
+        planned = preprocess(image, img.affine, plan, ref, len(class_names))  # the label for the picture
+        case_window = window or fit_patch((128, 128, 128), planned.image.shape[1:], divisor)
+        if any(w % d for w, d in zip(case_window, divisor)):
+            raise ValueError(f"--window {case_window}: each size must be divisible by {divisor}")
         settings = InferenceSettings(
             window=case_window, overlap=args.overlap, sw_batch_size=sw_batch, amp_dtype=amp_dtype, tta=args.tta
         )
-        pred = predict(model, normalised, settings, device)
-        pred = pred.cpu().numpy().astype(np.uint8)
+        probs = predict_probabilities(model, planned.image, settings, device)
+        pred = to_native(probs, planned.geometry)  # the file's own grid: its shape, orientation and affine
         save_prediction(pred, img, out / "predictions" / f"{case.name}.nii.gz")
-        ref = load_label(case.label)[0] if case.label is not None else None
+        caption = case.name
         if ref is not None:
             if ref.shape != pred.shape:
                 raise ValueError(f"{case.label}: shape {ref.shape} differs from its image's {pred.shape}")
-            for k, metrics in enumerate(case_metrics(pred, ref, len(class_names), spacing(img)), start=1):
-                rows.append({"case": case.name, "class": k, "class_name": class_names[k], **metrics})
+            metrics = case_metrics(pred, ref, len(class_names), spacing(img))
+            for k, row in enumerate(metrics, start=1):
+                rows.append({"case": case.name, "class": k, "class_name": class_names[k], **row})
+            caption += f"  Dice {np.mean([r['dice'] for r in metrics]):.3f}"
             scored += 1
         if len(overview) < args.overview_cases:
-            overview.append(overlay_row(normalised, ref, pred))
+            planes = middle_planes(planned.image, planned.label, probs.argmax(0))
+            overview.append(overlay(Preview(*planes, planned.geometry.planned_spacing[:2], caption)))
 
     with open(out / "metrics.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["case", "class", "class_name", *METRICS])
         writer.writeheader()
         writer.writerows(rows)
-    write_overview(overview, out / "overview.png")
+    write_overview(overview, out / "overview.png", class_names)
     summary = {
         **(summarise(rows, class_names) if scored else {"mean_dice": None, "classes": {}}),
         "num_cases": len(cases),
@@ -230,6 +249,7 @@ def evaluate(args: argparse.Namespace) -> int:
             "tta": args.tta,
             "device": str(device),
         },
+        "plan": plan.to_dict(),
         "config": cfg,
     }
     (out / "summary.json").write_text(json.dumps(_plain(summary), indent=2))

@@ -1,7 +1,8 @@
 """Train a 3D U-Net with DistributedDataParallel: `bash launch.sh 5,6,7 [options]`, or `python train_ddp.py`.
 
-The story of one rank, top to bottom: configuration -> process group -> data -> runtime -> state (resumed
-if there is a checkpoint) -> wrap -> for each epoch: train, maybe validate, save, report -> teardown.
+The story of one rank, top to bottom: configuration -> process group -> the checkpoint to continue from, if
+any -> data (checked, planned, cached) -> runtime -> state (resumed from the checkpoint) -> wrap -> for
+each epoch: train, maybe validate, save, report -> teardown.
 Its parts live in unet3d/training/; every rank runs every line, and only side effects (writing files,
 printing) are left to rank 0.
 """
@@ -18,9 +19,10 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from data.dataset import close_loader
+from unet3d.checkpoint import load_checkpoint
 from unet3d.loss import build_loss
 from unet3d.training import dist
-from unet3d.training.checkpointing import resume, resume_source, save_checkpoints
+from unet3d.training.checkpointing import check_resumable, resume, resume_source, save_checkpoints
 from unet3d.training.config import TrainConfig, parse_args
 from unet3d.training.control import StepControl, TimeBudget, TrainingError, fail_alone, fail_together
 from unet3d.training.epoch import train_one_epoch
@@ -28,9 +30,10 @@ from unet3d.training.faults import inject_faults
 from unet3d.training.loading import make_loader, open_cases, prepare_data
 from unet3d.training.logs import get_logger, setup_logging
 from unet3d.training.preflight import preflight
-from unet3d.training.report import closing_words, open_tensorboard, report_epoch
+from unet3d.training.report import Reporter, closing_words
 from unet3d.training.runtime import describe_run, make_runtime, wrap_for_training
 from unet3d.training.state import build_state
+from unet3d.training.timing import profiler
 from unet3d.training.validation import run_validation, validation_due
 
 INPUT_ERRORS = (ValueError, FileNotFoundError)  # bad data, options or checkpoints: exit 2, one message
@@ -55,28 +58,34 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
-    # Data: checked and cached by the ranks together; each rank validates its own share of the cases.
-    data = prepare_data(cfg.data(), info)
+    # A checkpoint to continue from (rank 0 picks it), read by every rank onto its own device.
+    source = dist.run_on_main(lambda: resume_source(cfg))
+    checkpoint = load_checkpoint(source, info.device) if source is not None else None
+
+    # Data: checked, planned and cached by the ranks together; each rank validates its own share.
+    data = prepare_data(cfg, info, checkpoint)
     train_cases, val_cases = open_cases(data, info)
-    rt = make_runtime(cfg, info, data, train_cases)
+    rt = make_runtime(cfg, info, data)
     describe_run(rt, data)
 
-    # State: built on this rank's device; a checkpoint is loaded into it on every rank before DDP wraps it.
-    state = build_state(rt, data.spec)
-    source = dist.run_on_main(lambda: resume_source(rt.cfg))
-    if source is not None:
-        resume(rt, state, Path(source))
+    # State: built on this rank's device; the checkpoint is loaded into it on every rank before DDP wraps it.
+    state = build_state(rt, data)
+    if checkpoint is not None:
+        check_resumable(rt, checkpoint, state.model_args, Path(source))
+        resume(rt, state, checkpoint, Path(source))
     state.budget = TimeBudget.for_job(rt.cfg.time_limit, state.budget, started, state.schedule.progress)
     model = wrap_for_training(rt, state.model)
     loss_fn = inject_faults(build_loss(rt.cfg.loss), info.rank, state.epoch * rt.steps_per_epoch + state.step)
     loader = make_loader(rt, train_cases)
     control = StepControl(rt.device, rt.cfg.max_bad_steps, state.budget, started)
     control.progress_floor = state.schedule.progress
-    writer = open_tensorboard(rt, state)
+    if rt.cfg.profile and (rt.is_main or rt.cfg.profile_every_rank):
+        control.profiler = profiler(rt.cfg.profile, rt.out_dir, rt.device)
+    reporter = Reporter(rt, state, data.spec.class_names) if rt.is_main else None
 
     stats = None
     try:
-        with control.stop_signals():  # SIGTERM/SIGINT: every rank finishes the step, saves and stops
+        with control.running():  # SIGTERM/SIGINT: every rank finishes the step, saves and stops
             while state.epoch < rt.cfg.epochs:
                 loader.sampler.set_epoch(state.epoch, skip=state.step * rt.cfg.batch_size)  # a new order each epoch
                 stats = train_one_epoch(rt, state, model, loss_fn, loader, control)  # advances state
@@ -86,13 +95,13 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
                 is_best = state.record(val.mean_dice if val is not None else None)
                 save_checkpoints(rt, state, is_best)
                 if rt.is_main:
-                    report_epoch(writer, rt.cfg.epochs, stats, val, data.spec.class_names, is_best)
+                    reporter.epoch(stats, val, is_best)
                 if stats.stopped is not None:
                     break
     finally:
         close_loader(loader)
-        if writer is not None:
-            writer.close()
+        if reporter is not None:
+            reporter.close()
     get_logger().info(closing_words(rt, state, stats))
     return 0
 

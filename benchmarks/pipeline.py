@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from data.cache import build_cache, open_case
 from data.dataset import EpochSampler, PatchDataset
 from data.msd import DatasetSpec
+from data.plan import legacy_plan
 
 
 def ours_per_worker(cache: Path, spec: DatasetSpec, patch: Sequence[int], samples: int) -> float:
@@ -131,7 +132,9 @@ def dataset_bytes(spec: DatasetSpec) -> int:
 
 
 def prepare_cache(spec: DatasetSpec, cache: Path) -> None:
-    errors = build_cache(spec.training, spec.modalities, spec.num_classes, cache)
+    """The cases as stored (no resampling: MONAI's pipeline here reads them as they are), z-scored per case."""
+    plan = legacy_plan(spec.modalities, (48, 48, 32), (8, 16, 32, 64))
+    errors = build_cache(spec.training, plan, spec.num_classes, cache)
     if errors:
         raise ValueError("; ".join(errors))
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.common import TrainStep, release_gpu_memory, sync
+from data.plan import legacy_plan
 from unet3d import DiceCELoss, UNet3D
 from unet3d.precision import apply_memory_format, resolve_memory_format
 from unet3d.training.config import TrainConfig
@@ -42,6 +43,7 @@ class ScalingRun:
     steps: int
     device_type: str = "cpu"
     ddp: bool = True  # the project's DDP training loop; False: independent processes (the machine's ceiling)
+    timing: bool = True  # the loop's per-step timing (unet3d.training.timing) on, or off
 
 
 def _project_loop(rank: int, job: ScalingRun, device: torch.device):
@@ -58,9 +60,11 @@ def _project_loop(rank: int, job: ScalingRun, device: torch.device):
     )  # fmt: skip
     torch.manual_seed(rank)
     model = apply_memory_format(UNet3D(1, 3, job.features).to(device), memory_format)
-    state = new_state(rt, model, {"in_channels": 1, "num_classes": 3, "features": list(job.features)}, ["0", "1", "2"])
+    plan = legacy_plan(["MRI"], job.patch, job.features)
+    state = new_state(rt, model, plan, plan.model_args(1, 3), ["0", "1", "2"])
     wrapped = wrap_for_training(rt, model)
     control = StepControl(device, cfg.max_bad_steps, budget=None, started=time.time())
+    control.timer.enabled = job.timing
     batch = (torch.randn(job.batch, 1, *job.patch), torch.randint(0, 3, (job.batch, *job.patch), dtype=torch.uint8))
     loss = DiceCELoss()
 

@@ -1,12 +1,15 @@
-"""Preprocessing cache: each case decoded from NIfTI and normalised once into uncompressed .npy files.
+"""The preprocessing cache: each case checked and fingerprinted once, then brought into the plan's space once
+into uncompressed .npy files.
 
 Training opens them as read-only memory maps, so every rank and DataLoader worker on a machine shares one
-copy through the page cache instead of decompressing NIfTI or holding its own arrays. Foreground voxel
-locations are stored beside them. A case is rebuilt when its source files change (size or mtime), when
-the modalities change, or when the cache format changes.
+copy through the page cache instead of decompressing NIfTI or holding its own arrays. A case is redone when
+its source files change (size or mtime), when the plan's preprocessing changes (each plan has its own
+folder, named by its digest), or when the cache format changes.
 
-Files per case: NAME_image.npy (C, X, Y, Z) float32, NAME_label.npy (X, Y, Z) uint8, NAME_fg.npy (N, 4)
-int32 rows of (class, x, y, z), and NAME.json, written last, which marks the case complete.
+Under CACHE_ROOT: fingerprints/<orientation>-<crop>/NAME.json (what planning needs of the case), and per plan
+<digest>/NAME_image.npy (C, X, Y, Z) float32, NAME_label.npy (X, Y, Z) uint8, NAME_fg.npy (N, 4) int32 rows of
+(class, x, y, z), NAME_native.npy (the label on the file's own grid, for validation) and NAME.json, written
+last, which marks the case complete and holds its geometry.
 """
 
 from __future__ import annotations
@@ -18,104 +21,145 @@ from pathlib import Path
 import numpy as np
 
 from data.check import case_problems
-from data.msd import Case
-from data.nifti import load_image, load_label, normalize
+from data.geometry import Geometry
+from data.msd import Case, DatasetSpec
+from data.nifti import load_image, load_label
 from data.patches import PreparedCase, foreground_coords
+from data.plan import Fingerprint, Plan, fingerprint_arrays
+from data.preprocess import preprocess
 from unet3d.files import atomic_write, atomic_write_text
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
-def _stamp(case: Case, modalities: Sequence[str], num_classes: int) -> dict:
-    files = [case.image, case.label]
+def _sources(case: Case) -> list:
+    return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in (case.image, case.label)]
+
+
+def _fingerprint_file(root: Path, case: Case, orientation: str, crop: str) -> Path:
+    return root / "fingerprints" / f"{orientation}-{crop}" / f"{case.name}.json"
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def fingerprint_cases(
+    cases: Sequence[Case], spec: DatasetSpec, orientation: str, crop: str, root: Path, shard: int, num_shards: int
+) -> list[str]:
+    """Check and fingerprint the cases of shard `shard` of `num_shards` that have no fresh fingerprint file.
+
+    Returns one message per problem (empty when all went well), so the caller can gather every rank's
+    problems and report them together.
+    """
+    errors = []
+    for case in list(cases)[shard::num_shards]:
+        path = _fingerprint_file(root, case, orientation, crop)
+        try:
+            stamp = {"version": CACHE_VERSION, "modalities": spec.modalities, "sources": _sources(case)}
+            saved = _read_json(path)
+            if saved is not None and saved.get("stamp") == stamp:
+                continue
+            image, image_nii = load_image(case.image)
+            label, label_nii = load_label(case.label)
+            problems = case_problems(case, image, image_nii, label, label_nii, spec.num_classes)
+            if problems:
+                errors += [f"{case.name}: {p}" for p in problems]
+                continue
+            found = fingerprint_arrays(case.name, image, image_nii.affine, label, spec.modalities, orientation, crop)
+            atomic_write_text(path, json.dumps({"stamp": stamp, **found.to_dict()}))
+        except (OSError, ValueError) as e:
+            errors.append(f"{case.name}: {e}")
+    return errors
+
+
+def load_fingerprints(cases: Sequence[Case], orientation: str, crop: str, root: Path) -> list[Fingerprint]:
+    """The fingerprints `fingerprint_cases` wrote for these cases."""
+    return [Fingerprint.from_dict(json.loads(_fingerprint_file(root, c, orientation, crop).read_text())) for c in cases]
+
+
+def _paths(folder: Path, name: str) -> dict[str, Path]:
+    return {
+        "image": folder / f"{name}_image.npy",
+        "label": folder / f"{name}_label.npy",
+        "fg": folder / f"{name}_fg.npy",
+        "native": folder / f"{name}_native.npy",
+        "meta": folder / f"{name}.json",
+    }
+
+
+def _stamp(case: Case, plan: Plan, num_classes: int) -> dict:
     return {
         "version": CACHE_VERSION,
-        "modalities": list(modalities),
+        "plan": plan.preprocessing(),
         "num_classes": num_classes,
-        "sources": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+        "sources": _sources(case),
     }
 
 
-def _paths(cache_dir: Path, name: str) -> dict[str, Path]:
-    return {
-        "image": cache_dir / f"{name}_image.npy",
-        "label": cache_dir / f"{name}_label.npy",
-        "fg": cache_dir / f"{name}_fg.npy",
-        "meta": cache_dir / f"{name}.json",
-    }
-
-
-def is_fresh(case: Case, modalities: Sequence[str], num_classes: int, cache_dir: str | Path) -> bool:
-    """Whether the cached files of `case` exist and were made (and checked) from its current source files."""
-    paths = _paths(Path(cache_dir), case.name)
+def is_fresh(case: Case, plan: Plan, num_classes: int, folder: str | Path) -> bool:
+    """Whether the cached files of `case` exist and were made with this plan from its current source files."""
+    paths = _paths(Path(folder), case.name)
+    meta = _read_json(paths["meta"])
     try:
-        meta = json.loads(paths["meta"].read_text())
-    except (OSError, ValueError):
-        return False
-    try:
-        stamp = _stamp(case, modalities, num_classes)
+        stamp = _stamp(case, plan, num_classes)
     except OSError:
         return False
-    return meta.get("stamp") == stamp and all(p.is_file() for p in paths.values())
+    return meta is not None and meta.get("stamp") == stamp and all(p.is_file() for p in paths.values())
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
     atomic_write(path, lambda f: np.save(f, array))
 
 
-def write_case(case: Case, modalities: Sequence[str], num_classes: int, cache_dir: str | Path) -> None:
-    """Decode, check (`data.check.case_problems`) and normalise one case; write its cache files, meta last.
-
-    Raises:
-        ValueError: naming every problem of the case with its file.
-    """
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+def write_case(case: Case, plan: Plan, num_classes: int, folder: str | Path) -> None:
+    """Bring one (checked) case into the plan's space; write its cache files, the meta file last."""
+    folder = Path(folder)
     image, image_nii = load_image(case.image)
-    label, label_nii = load_label(case.label)
-    problems = case_problems(case, image, image_nii, label, label_nii, num_classes)
-    if problems:
-        raise ValueError("; ".join(problems))
-    fg = foreground_coords(label)
+    native, _ = load_label(case.label)
+    planned = preprocess(image, image_nii.affine, plan, native, num_classes)
+    fg = foreground_coords(planned.label)
     rows = [np.column_stack([np.full(len(c), k, np.int32), c]) for k, c in sorted(fg.items())]
-    paths = _paths(cache_dir, case.name)
-    _save_npy(paths["image"], normalize(image, modalities))
-    _save_npy(paths["label"], label)
+    paths = _paths(folder, case.name)
+    _save_npy(paths["image"], planned.image)
+    _save_npy(paths["label"], planned.label)
     _save_npy(paths["fg"], np.concatenate(rows) if rows else np.zeros((0, 4), np.int32))
-    meta = {"stamp": _stamp(case, modalities, num_classes), "shape": list(label.shape), "channels": image.shape[0]}
+    _save_npy(paths["native"], native)
+    meta = {"stamp": _stamp(case, plan, num_classes), "geometry": planned.geometry.to_dict()}
     atomic_write_text(paths["meta"], json.dumps(meta))
 
 
 def build_cache(
-    cases: Sequence[Case],
-    modalities: Sequence[str],
-    num_classes: int,
-    cache_dir: str | Path,
-    shard: int = 0,
-    num_shards: int = 1,
+    cases: Sequence[Case], plan: Plan, num_classes: int, folder: str | Path, shard: int = 0, num_shards: int = 1
 ) -> list[str]:
-    """Write the stale cases of shard `shard` of `num_shards` (cases[shard::num_shards]).
-
-    Returns one message per case that could not be prepared (empty when all went well), so the caller
-    can gather every rank's problems and report them together.
-    """
+    """Write the stale cases of shard `shard` of `num_shards` (cases[shard::num_shards]); one message per case
+    that could not be prepared."""
     errors = []
     for case in list(cases)[shard::num_shards]:
         try:
-            if not is_fresh(case, modalities, num_classes, cache_dir):
-                write_case(case, modalities, num_classes, cache_dir)
+            if not is_fresh(case, plan, num_classes, folder):
+                write_case(case, plan, num_classes, folder)
         except (OSError, ValueError) as e:
             errors.append(f"{case.name}: {e}")
     return errors
 
 
-def open_case(case: Case, cache_dir: str | Path) -> PreparedCase:
+def open_case(case: Case, folder: str | Path) -> PreparedCase:
     """The cached case as read-only memory maps (FileNotFoundError if it was never built)."""
-    paths = _paths(Path(cache_dir), case.name)
-    if not paths["meta"].is_file():
-        raise FileNotFoundError(f"case {case.name} is not in the cache {cache_dir}; build_cache first")
+    paths = _paths(Path(folder), case.name)
+    meta = _read_json(paths["meta"])
+    if meta is None:
+        raise FileNotFoundError(f"case {case.name} is not in the cache {folder}; build_cache first")
     fg = np.load(paths["fg"])
     coords = {int(k): fg[fg[:, 0] == k, 1:] for k in np.unique(fg[:, 0])}
     return PreparedCase(
-        case.name, np.load(paths["image"], mmap_mode="r"), np.load(paths["label"], mmap_mode="r"), coords
+        case.name,
+        np.load(paths["image"], mmap_mode="r"),
+        np.load(paths["label"], mmap_mode="r"),
+        coords,
+        native_label=np.load(paths["native"], mmap_mode="r"),
+        geometry=Geometry.from_dict(meta["geometry"]),
     )

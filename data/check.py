@@ -7,10 +7,8 @@ from collections.abc import Sequence
 import nibabel as nib
 import numpy as np
 
+from data.geometry import affine_problems, same_grid
 from data.msd import Case, DatasetSpec
-
-AFFINE_ATOL_MM = 1e-3  # image and label affines may differ by rounding, not by geometry
-AFFINE_RTOL = 1e-4
 
 
 def case_problems(
@@ -21,17 +19,22 @@ def case_problems(
     label_nii: nib.Nifti1Image,
     num_classes: int,
 ) -> list[str]:
-    """Everything wrong with one case: shapes, affines, non-finite intensities, undeclared label values.
+    """Everything wrong with one case: its geometry (a 2D image, zero or non-finite voxel sizes, a singular or
+    sheared affine), image and label on different grids (shape, or positions in world space), non-finite
+    intensities, undeclared label values.
 
     Args:
         image: (C, X, Y, Z) intensities as read; label: (X, Y, Z) values as read.
     """
-    problems = []
+    problems = affine_problems(image_nii.affine, image.shape[1:], case.image)
     if image.shape[1:] != label.shape:
         problems.append(f"{case.image} has spatial shape {image.shape[1:]} but {case.label} has {label.shape}")
-    elif not np.allclose(image_nii.affine, label_nii.affine, atol=AFFINE_ATOL_MM, rtol=AFFINE_RTOL):
+    elif not same_grid(image_nii.affine, label_nii.affine):
         gap = float(np.abs(image_nii.affine - label_nii.affine).max())
-        problems.append(f"{case.label}: affine differs from that of {case.image} by up to {gap:.4g}")
+        problems.append(
+            f"{case.label}: its voxels are not where those of {case.image} are in world space (the affines differ "
+            f"by up to {gap:.4g})"
+        )
     non_finite = int(np.count_nonzero(~np.isfinite(image)))
     if non_finite:
         problems.append(f"{case.image}: {non_finite} NaN or infinite value(s)")

@@ -1,8 +1,7 @@
-"""Reading NIfTI volumes into channel-first arrays, and per-case intensity normalisation."""
+"""Reading NIfTI volumes into channel-first arrays."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import nibabel as nib
@@ -53,26 +52,3 @@ def _load(path: str | Path) -> nib.Nifti1Image:
 def spacing(img: nib.Nifti1Image) -> tuple[float, float, float]:
     """Voxel size in millimetres along the three spatial axes, from the header."""
     return tuple(float(z) for z in img.header.get_zooms()[:3])
-
-
-def normalize(image: np.ndarray, modalities: Sequence[str]) -> np.ndarray:
-    """Per-channel z-score of one case; CT channels are clipped to their 0.5-99.5 percentiles first.
-
-    Args:
-        image: (C, X, Y, Z) float32.
-        modalities: one name per channel, as in dataset.json.
-
-    Returns:
-        (C, X, Y, Z) float32 with zero mean and unit standard deviation per channel.
-    """
-    if len(modalities) != image.shape[0]:
-        raise ValueError(f"image has {image.shape[0]} channel(s) but dataset.json names {len(modalities)}")
-    out = np.empty_like(image, dtype=np.float32)
-    for c, modality in enumerate(modalities):
-        channel = image[c]
-        if modality.upper() == "CT":
-            lo, hi = np.percentile(channel, [0.5, 99.5])
-            channel = np.clip(channel, lo, hi)
-        mean, std = float(channel.mean()), float(channel.std())
-        out[c] = (channel - mean) / max(std, 1e-8)
-    return out

@@ -7,17 +7,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from data.geometry import Geometry
+
 MAX_FG_COORDS = 20_000  # foreground voxels kept per class to draw patch centres from
 
 
 @dataclass
 class PreparedCase:
-    """A normalised case ready for patch sampling."""
+    """A case in the planned space, ready for patch sampling, with what validation needs to score it on the
+    file's own grid."""
 
     name: str
     image: np.ndarray  # (C, X, Y, Z) float32, normalised; often a read-only memory map
     label: np.ndarray  # (X, Y, Z) uint8
     fg_coords: dict[int, np.ndarray]  # class -> (N, 3) int voxel coordinates of that class
+    native_label: np.ndarray | None = None  # the label as stored in its file (its own shape and orientation)
+    geometry: Geometry | None = None  # how the case came into the planned space (`data.geometry`)
 
 
 def foreground_coords(label: np.ndarray, seed: int = 0) -> dict[int, np.ndarray]:

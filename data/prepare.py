@@ -1,23 +1,29 @@
-"""A run's data: which dataset, its split, its preprocessing cache, and every problem with it.
+"""A run's data: which dataset, its split, its plan, its preprocessing cache, and every problem with it.
 
-Used twice: by `train_ddp.py --prepare-only`, which launch.sh runs before it starts any rank (so a bad
-dataset gives one message and no torchrun restarts), and by every rank at start, where the cache is
-then fresh and the check costs little.
+In two stages, each sharded over processes: `inspect` checks and fingerprints every training case (and
+finds missing files and an empty split), then, once the plan is made from the fingerprints, `build`
+brings every case into the plan's space in the cache. Used twice: by `train_ddp.py --prepare-only`, which
+launch.sh runs before it starts any rank (so a bad dataset gives one message and no torchrun restarts),
+and by every rank at start, where everything is then fresh and the stages cost little.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 
-from data.cache import build_cache
+import torch
+
+from data.cache import build_cache, fingerprint_cases, load_fingerprints
 from data.check import missing_files, split_problems
 from data.msd import Case, DatasetSpec, load_dataset_json, split_cases
+from data.plan import Plan, PlanRequest, make_plan
 from data.synthetic import write_synthetic_dataset
 
 
@@ -37,6 +43,7 @@ class DataConfig:
     synthetic_dir: str
     synthetic_cases: int
     synthetic_size: int
+    synthetic_geometry: str  # uniform or mixed (`data.synthetic`)
     cache_dir: str | None  # None: runs/cache/<dataset>-<hash>
     val_fraction: float
     seed: int
@@ -44,18 +51,31 @@ class DataConfig:
     @property
     def synthetic_path(self) -> Path:
         name = f"cases{self.synthetic_cases}_size{self.synthetic_size}_seed{self.seed}"
+        if self.synthetic_geometry != "uniform":
+            name += f"_{self.synthetic_geometry}"
         return Path(self.synthetic_dir) / name
 
 
 @dataclass(frozen=True)
 class RunData:
-    """The run's dataset, its split into training and validation cases, and its preprocessing cache."""
+    """The run's dataset, its split into training and validation cases, its plan (once made) and cache."""
 
     data_dir: Path
     spec: DatasetSpec
     train: list[Case]
     val: list[Case]
-    cache: Path
+    cache_root: Path  # fingerprints, and one folder per plan
+    plan: Plan | None = None
+
+    @property
+    def cache(self) -> Path:
+        """The folder of this plan's preprocessed cases."""
+        if self.plan is None:
+            raise ValueError("the run has no plan yet")
+        return self.cache_root / self.plan.digest()
+
+    def with_plan(self, plan: Plan) -> RunData:
+        return replace(self, plan=plan)
 
 
 def default_cache_dir(data_dir: Path) -> Path:
@@ -73,7 +93,12 @@ def resolve_data(cfg: DataConfig, run_once: Callable[[Callable[[], Path]], Path]
         data_dir = Path(cfg.data_dir)
     else:
         make = functools.partial(
-            write_synthetic_dataset, cfg.synthetic_path, cfg.synthetic_cases, cfg.synthetic_size, cfg.seed
+            write_synthetic_dataset,
+            cfg.synthetic_path,
+            cfg.synthetic_cases,
+            cfg.synthetic_size,
+            cfg.seed,
+            geometry=cfg.synthetic_geometry,
         )
         data_dir = Path(run_once(make))
     spec = load_dataset_json(data_dir, require_files=False)
@@ -82,25 +107,44 @@ def resolve_data(cfg: DataConfig, run_once: Callable[[Callable[[], Path]], Path]
     return RunData(data_dir, spec, train, val, cache)
 
 
-def dataset_problems(run: RunData, shard: int = 0, num_shards: int = 1) -> list[str]:
-    """Missing files, the split, and the content of this shard's cases (building their cache on the way)."""
-    present = [c for c in run.spec.training if c.image.is_file() and c.label.is_file()]
+def _present(run: RunData) -> list[Case]:
+    return [c for c in run.spec.training if c.image.is_file() and c.label.is_file()]
+
+
+def inspect(run: RunData, request: PlanRequest, shard: int = 0, num_shards: int = 1) -> list[str]:
+    """Stage 1, this shard's part: missing files and the split, then every present case checked and
+    fingerprinted (fingerprints are kept in the cache, so a second run reads no image)."""
     problems = missing_files(run.spec.training) + split_problems(run.spec, len(run.val))
-    return problems + build_cache(present, run.spec.modalities, run.spec.num_classes, run.cache, shard, num_shards)
+    root = run.cache_root
+    return problems + fingerprint_cases(
+        _present(run), run.spec, request.orientation, request.crop, root, shard, num_shards
+    )
 
 
-def _shard_problems(args: tuple[RunData, int, int]) -> list[str]:
-    return dataset_problems(*args)
+def plan_data(run: RunData, request: PlanRequest) -> Plan:
+    """The plan for this run's training cases, from the fingerprints `inspect` left."""
+    found = load_fingerprints(run.spec.training, request.orientation, request.crop, run.cache_root)
+    return make_plan(found, run.spec.modalities, request)
 
 
-def check_dataset(run: RunData, processes: int) -> list[str]:
-    """Every problem of the dataset, the cases checked and cached by `processes` worker processes."""
-    processes = max(1, min(processes, len(run.spec.training)))
+def build(run: RunData, shard: int = 0, num_shards: int = 1) -> list[str]:
+    """Stage 2, this shard's part: every case brought into the plan's space in the cache."""
+    return build_cache(run.spec.training, run.plan, run.spec.num_classes, run.cache, shard, num_shards)
+
+
+def _one_thread(stage: Callable[..., list[str]], args: tuple) -> list[str]:
+    torch.set_num_threads(1)  # several processes share the cores: one thread each for the resampling
+    return stage(*args)
+
+
+def in_processes(stage: Callable[..., list[str]], run: RunData, *args: object, processes: int) -> list[str]:
+    """`stage(run, *args, shard, num_shards)` over `processes` forked worker processes; every problem once."""
+    processes = max(1, min(processes, len(run.spec.training), os.cpu_count() or 1))
     if processes == 1:
-        return dataset_problems(run)
+        return stage(run, *args)
     with ProcessPoolExecutor(processes, mp_context=get_context("fork")) as pool:
-        shards = pool.map(_shard_problems, [(run, i, processes) for i in range(processes)])
-        return unique([p for shard in shards for p in shard])
+        jobs = [pool.submit(_one_thread, stage, (run, *args, i, processes)) for i in range(processes)]
+        return unique([p for job in jobs for p in job.result()])
 
 
 def unique(items: list[str]) -> list[str]:

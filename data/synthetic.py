@@ -1,16 +1,26 @@
 """A synthetic segmentation dataset written in the MSD layout, so the default run uses the real loader.
 
-Each case is an MR-like volume: a body of soft tissue holding one or two ellipsoidal "organs" (class 1),
-some with a darker "lesion" inside (class 2), a bright vessel-like tube left unlabelled as a distractor,
-a smooth multiplicative bias field (intensity inhomogeneity) and Gaussian noise. Everything follows from
-the seed, and spacing is anisotropic (1 x 1 x 1.5 mm) like many clinical scans.
+Each case is an MR-like phantom defined in world millimetres: a body of soft tissue holding one or two
+ellipsoidal "organs" (class 1), some with a darker "lesion" inside (class 2), a bright vessel-like tube left
+unlabelled as a distractor, a smooth multiplicative bias field (intensity inhomogeneity) and Gaussian noise.
+Everything follows from the seed and the case's index. The phantom is then acquired on a voxel grid:
+
+- `uniform`: every case at 1 x 1 x 1.5 mm in RAS order, like many clinical scans (the default);
+- `mixed`: each case by one of three protocols, as clinical data comes: isotropic 1 mm in RAS order; axial
+  0.8 x 0.8 x 3 mm slices in LPS; sagittal 3.3 mm slices with the thick axis first (RIP order). The same
+  index gives the same anatomy in world coordinates in both, so the two datasets can be compared.
+
+Thick voxels average the phantom across their thickness (partial volume); labels are the phantom at the
+voxel centre.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import nibabel as nib
@@ -18,56 +28,141 @@ import numpy as np
 
 from unet3d.files import temp_path
 
-SPACING = (1.0, 1.0, 1.5)
+GEOMETRIES = ("uniform", "mixed")
+SPACING = (1.0, 1.0, 1.5)  # the uniform acquisition
 LABELS = {"0": "background", "1": "organ", "2": "lesion"}
 
 
-def _ellipsoid(grid: tuple[np.ndarray, ...], centre: np.ndarray, radii: np.ndarray) -> np.ndarray:
-    return sum(((g - c) / r) ** 2 for g, c, r in zip(grid, centre, radii)) <= 1.0
+@dataclass(frozen=True)
+class Acquisition:
+    """A voxel grid: for each array axis the world axis it runs along, its direction (+1 towards R, A or S)
+    and its voxel size in mm."""
+
+    name: str
+    axes: tuple[int, int, int]
+    directions: tuple[int, int, int]
+    spacing: tuple[float, float, float]
 
 
-def generate_case(rng: np.random.Generator, shape: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """One synthetic case.
+UNIFORM = Acquisition("RAS 1x1x1.5", (0, 1, 2), (1, 1, 1), SPACING)
+PROTOCOLS = (
+    Acquisition("RAS 1 mm isotropic", (0, 1, 2), (1, 1, 1), (1.0, 1.0, 1.0)),
+    Acquisition("LPS axial 0.8x0.8x3", (0, 1, 2), (-1, -1, 1), (0.8, 0.8, 3.0)),
+    Acquisition("RIP sagittal 3.3x0.9x0.9", (0, 2, 1), (1, -1, -1), (3.3, 0.9, 0.9)),
+)
 
-    Returns:
-        image (X, Y, Z) float32 and label (X, Y, Z) uint8 with values 0, 1, 2.
-    """
-    size = np.array(shape, dtype=np.float64)
-    grid = np.meshgrid(*[np.arange(s, dtype=np.float32) for s in shape], indexing="ij")
-    label = np.zeros(shape, np.uint8)
-    image = np.full(shape, 20.0, np.float32)  # air
-    body = _ellipsoid(grid, size / 2 + rng.normal(0, 1, 3), size * rng.uniform(0.42, 0.48, 3))
-    image[body] = 100.0
+
+def extent(size: int) -> np.ndarray:
+    """The field of view in mm (X, Y, Z): `size` in-plane, the uniform grid's depth along Z."""
+    return np.array([size, size, (int(round(size / SPACING[2])) // 8 * 8 or 8) * SPACING[2]], dtype=np.float64)
+
+
+def grid(acquisition: Acquisition, fov: np.ndarray) -> tuple[tuple[int, int, int], np.ndarray]:
+    """(array shape, affine) of an acquisition covering the field of view [0, fov] mm."""
+    shape = tuple(max(2, int(round(fov[w] / s))) for w, s in zip(acquisition.axes, acquisition.spacing))
+    affine = np.eye(4)
+    affine[:3, :3] = 0
+    for a, (w, d, s) in enumerate(zip(acquisition.axes, acquisition.directions, acquisition.spacing)):
+        affine[w, a] = d * s
+        affine[w, 3] += 0.5 * s if d > 0 else fov[w] - 0.5 * s  # voxel 0's centre
+    return shape, affine
+
+
+@dataclass(frozen=True)
+class Phantom:
+    """One case's anatomy in world mm (drawn once per case, whatever the acquisition)."""
+
+    body: tuple[np.ndarray, np.ndarray]  # centre, radii
+    organs: list[tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]]  # centre, radii, lesion
+    tube: tuple[int, float, float, float]  # axis, the two other coordinates, radius
+    bias: list[tuple[float, float]]  # per world axis: frequency, phase
+    noise_seed: int
+
+
+def draw_phantom(rng: np.random.Generator, fov: np.ndarray) -> Phantom:
+    body = (fov / 2 + rng.normal(0, 1, 3), fov * rng.uniform(0.42, 0.48, 3))
+    organs = []
     for _ in range(rng.integers(1, 3)):
-        radii = size * rng.uniform(0.14, 0.22, 3)
-        centre = size * rng.uniform(0.3, 0.7, 3)
-        organ = _ellipsoid(grid, centre, radii) & body
-        label[organ] = 1
-        image[organ] = 150.0
+        radii = fov * rng.uniform(0.14, 0.22, 3)
+        centre = fov * rng.uniform(0.3, 0.7, 3)
+        lesion = None
         if rng.random() < 0.8:
-            lesion = _ellipsoid(grid, centre + rng.normal(0, 0.2, 3) * radii, radii * rng.uniform(0.4, 0.65))
-            lesion &= organ
-            label[lesion] = 2
-            image[lesion] = 40.0
+            lesion = (centre + rng.normal(0, 0.2, 3) * radii, radii * rng.uniform(0.4, 0.65))
+        organs.append((centre, radii, lesion))
+    axis = int(rng.integers(3))
+    others = [fov[a] for a in range(3) if a != axis]
+    a, b = rng.uniform(0.3, 0.7, 2) * others
+    tube = (axis, float(a), float(b), 0.04 * float(fov.min()))
+    bias = [(float(rng.uniform(0.3, 1.0)), float(rng.uniform(0, 2 * np.pi))) for _ in range(3)]
+    return Phantom(body, organs, tube, bias, int(rng.integers(2**31)))
+
+
+def _inside(points: np.ndarray, centre: np.ndarray, radii: np.ndarray) -> np.ndarray:
+    return (((points - centre) / radii) ** 2).sum(-1) <= 1.0
+
+
+def evaluate_phantom(phantom: Phantom, points: np.ndarray, fov: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(intensity without noise, label) at world points (..., 3)."""
+    label = np.zeros(points.shape[:-1], np.uint8)
+    image = np.full(points.shape[:-1], 20.0, np.float32)  # air
+    body = _inside(points, *phantom.body)
+    image[body] = 100.0
+    for centre, radii, lesion in phantom.organs:
+        organ = _inside(points, centre, radii) & body
+        label[organ], image[organ] = 1, 150.0
+        if lesion is not None:
+            inner = _inside(points, *lesion) & organ
+            label[inner], image[inner] = 2, 40.0
     # A bright tube through the body, as bright as an organ but unlabelled: intensity alone won't do.
-    axis, (a, b) = rng.integers(3), rng.uniform(0.3, 0.7, 2) * size[:2]
-    others = [g for i, g in enumerate(grid) if i != axis]
-    tube = ((others[0] - a) ** 2 + (others[1] - b) ** 2 <= (0.04 * size.min()) ** 2) & body & (label == 0)
+    axis, a, b, radius = phantom.tube
+    u, v = [points[..., i] for i in range(3) if i != axis]
+    tube = ((u - a) ** 2 + (v - b) ** 2 <= radius**2) & body & (label == 0)
     image[tube] = 150.0
-    # Smooth multiplicative bias field, then noise.
-    field = np.ones(shape, np.float32)
-    for g, s in zip(grid, size):
-        field += 0.15 * np.cos(2 * np.pi * (g / s) * rng.uniform(0.3, 1.0) + rng.uniform(0, 2 * np.pi))
-    image = image * field + rng.normal(0, 15.0, shape).astype(np.float32)
-    return image.astype(np.float32), label
+    field = np.ones(points.shape[:-1], np.float32)
+    for w, (frequency, phase) in enumerate(phantom.bias):
+        field += 0.15 * np.cos(2 * np.pi * (points[..., w] / fov[w]) * frequency + phase)
+    return image * field, label
 
 
-def _affine() -> np.ndarray:
-    return np.diag([*SPACING, 1.0])
+def acquire(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(image float32, label uint8, affine) of the phantom on the acquisition's grid, with noise.
+
+    Along an axis coarser than 1.5 mm the intensity is the mean of sub-samples 1 mm or less apart across
+    the voxel (partial volume), as a thick slice records it.
+    """
+    shape, affine = grid(acquisition, fov)
+    index = np.stack(np.meshgrid(*[np.arange(n, dtype=np.float64) for n in shape], indexing="ij"), axis=-1)
+    centres = index @ affine[:3, :3].T + affine[:3, 3]
+    _, label = evaluate_phantom(phantom, centres, fov)
+    subs = [max(1, math.ceil(s)) if s > 1.5 else 1 for s in acquisition.spacing]
+    offsets = np.stack(np.meshgrid(*[(np.arange(k) + 0.5) / k - 0.5 for k in subs], indexing="ij"), axis=-1).reshape(
+        -1, 3
+    )
+    image = np.zeros(shape, np.float32)
+    for offset in offsets:
+        image += evaluate_phantom(phantom, (index + offset) @ affine[:3, :3].T + affine[:3, 3], fov)[0]
+    image /= len(offsets)
+    image += np.random.default_rng(phantom.noise_seed).normal(0, 15.0, shape).astype(np.float32)
+    return image, label, affine
+
+
+def case_acquisition(geometry: str, index: int) -> Acquisition:
+    return UNIFORM if geometry == "uniform" else PROTOCOLS[index % len(PROTOCOLS)]
+
+
+def generate_case(
+    seed: int, index: int, size: int, geometry: str = "uniform"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Case `index` of the dataset with this seed: (image (X, Y, Z) float32, label uint8 of 0, 1, 2, affine)."""
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"synthetic geometry must be one of {GEOMETRIES}, got {geometry!r}")
+    fov = extent(size)
+    phantom = draw_phantom(np.random.default_rng([seed, index]), fov)
+    return acquire(phantom, case_acquisition(geometry, index), fov)
 
 
 def write_synthetic_dataset(
-    root: str | Path, num_cases: int = 24, size: int = 64, seed: int = 0, num_test: int = 4
+    root: str | Path, num_cases: int = 24, size: int = 64, seed: int = 0, num_test: int = 4, geometry: str = "uniform"
 ) -> Path:
     """Write `num_cases` training and `num_test` test cases (with labelsTs/) under `root`.
 
@@ -80,25 +175,36 @@ def write_synthetic_dataset(
     if num_cases < 2 or size < 8:
         raise ValueError(f"need num_cases >= 2 and size >= 8, got {num_cases}, {size}")
     tmp = temp_path(root)  # unique per host and process: nodes may share the folder
+    try:
+        _write(tmp, num_cases, size, seed, num_test, geometry)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(tmp, root)
+    except OSError:  # another process finished first: keep its copy
+        if not (root / "dataset.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def _write(folder: Path, num_cases: int, size: int, seed: int, num_test: int, geometry: str) -> None:
     for sub in ("imagesTr", "labelsTr", "imagesTs", "labelsTs"):
-        (tmp / sub).mkdir(parents=True)
-    rng = np.random.default_rng(seed)
-    shape = (size, size, int(round(size / SPACING[2] * SPACING[0])) // 8 * 8 or 8)
+        (folder / sub).mkdir(parents=True)
     training, test = [], []
     for i in range(num_cases + num_test):
-        image, label = generate_case(rng, shape)
+        image, label, affine = generate_case(seed, i, size, geometry)
         is_test = i >= num_cases
         name = f"synth_{i:03d}.nii.gz"
         img_dir, lbl_dir = ("imagesTs", "labelsTs") if is_test else ("imagesTr", "labelsTr")
-        nib.save(nib.Nifti1Image(image, _affine()), tmp / img_dir / name)
-        nib.save(nib.Nifti1Image(label, _affine()), tmp / lbl_dir / name)
+        nib.save(nib.Nifti1Image(image, affine), folder / img_dir / name)
+        nib.save(nib.Nifti1Image(label, affine), folder / lbl_dir / name)
         if is_test:
             test.append(f"./imagesTs/{name}")
         else:
             training.append({"image": f"./imagesTr/{name}", "label": f"./labelsTr/{name}"})
     meta = {
         "name": "Synthetic",
-        "description": f"synthetic MR-like volumes, seed {seed}",
+        "description": f"synthetic MR-like volumes, seed {seed}, {geometry} geometry",
         "tensorImageSize": "3D",
         "modality": {"0": "MRI"},
         "labels": LABELS,
@@ -107,12 +213,4 @@ def write_synthetic_dataset(
         "training": training,
         "test": test,
     }
-    (tmp / "dataset.json").write_text(json.dumps(meta, indent=2))
-    root.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(tmp, root)
-    except OSError:  # another process finished first: keep its copy
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (root / "dataset.json").is_file():
-            raise
-    return root
+    (folder / "dataset.json").write_text(json.dumps(meta, indent=2))

@@ -98,11 +98,14 @@ def runtime(info, steps: int, amp_dtype: torch.dtype | None = None, **config):
 
 
 def state_for(rt, model):
-    """A fresh TrainState around `model`, as training builds one (`unet3d.training.state.new_state`)."""
+    """A fresh TrainState around `model`, as training builds one (`unet3d.training.state.new_state`), with
+    the plan of a dataset used as stored."""
+    from data.plan import legacy_plan
     from unet3d.training.state import new_state
 
+    plan = legacy_plan(["MRI"] * model.in_channels, rt.cfg.patch_size, model.features)
     args = {"in_channels": model.in_channels, "num_classes": model.num_classes, "features": list(model.features)}
-    return new_state(rt, model, args, [f"class{k}" for k in range(model.num_classes)])
+    return new_state(rt, model, plan, args, [f"class{k}" for k in range(model.num_classes)])
 
 
 def control_for(rt):

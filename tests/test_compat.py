@@ -23,12 +23,14 @@ def test_the_fixture_is_a_format_1_checkpoint():
     assert "format" not in old and "sampler_epoch" in old and old["epoch"] == 1 and old["world_size"] == 2
 
 
-def test_an_old_checkpoint_evaluates(tmp_path):
+def test_an_old_checkpoint_evaluates(tmp_path, capsys):
     data = write_synthetic_dataset(tmp_path / "syn" / "cases6_size24_seed0", num_cases=6, size=24, seed=0)
     out = tmp_path / "eval"
     argv = ["--checkpoint", str(FIXTURE), "--data-dir", str(data), "--split", "val", "--device", "cpu"]
     assert evaluate.main([*argv, "--out-dir", str(out)]) == 0
+    assert "is from before plans: cases are used as stored (plan none" in capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["plan"]["orientation"] == "none" and summary["plan"]["spacing"] is None
     assert summary["num_cases"] == 2 and 0 <= summary["mean_dice"] <= 1
     assert summary["config"]["features"] == [4, 8]
     assert len(list((out / "predictions").glob("*.nii.gz"))) == 2

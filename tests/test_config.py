@@ -3,9 +3,19 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from unet3d.training.config import DEVICE_DEFAULTS, TrainConfig, build_parser, default_num_workers, parse_args, resolve
+from data.plan import Fingerprint, make_plan
+from unet3d.training.config import (
+    DEVICE_DEFAULTS,
+    TrainConfig,
+    build_parser,
+    default_num_workers,
+    parse_args,
+    plan_request,
+    resolve,
+)
 
 
 def test_every_field_is_an_option():
@@ -46,26 +56,50 @@ def test_choices_are_validated():
         parse_args(["--loss", "focal"])
 
 
+def planned(cfg: TrainConfig, device: str, shape, spacing=(1.0, 1.0, 1.0)):
+    """The plan for a dataset of identical cases of this shape and spacing."""
+    cases = [Fingerprint(name=f"c{i}", spacing=spacing, shape=shape) for i in range(3)]
+    return make_plan(cases, ["MRI"], plan_request(cfg, device))
+
+
 def test_resolve_fills_device_defaults():
-    cfg = resolve(TrainConfig(), "cuda", world_size=3, median_shape=(300, 300, 300), cpu_count=48, local_world_size=3)
-    assert cfg.features == DEVICE_DEFAULTS["cuda"]["features"] == (32, 64, 128, 256, 320)
-    assert cfg.patch_size == (128, 128, 128)
+    plan = planned(TrainConfig(), "cuda", (300, 300, 300))
+    cfg = resolve(TrainConfig(), plan, "cuda", world_size=3, cpu_count=48, local_world_size=3)
+    assert cfg.features == DEVICE_DEFAULTS["cuda"]["features"] == (32, 64, 128, 256, 320, 320)
+    assert cfg.patch_size == (128, 128, 128) and plan.strides[1:] == ((2, 2, 2),) * 5
     assert cfg.samples_per_epoch % (cfg.batch_size * 3) == 0 and cfg.samples_per_epoch >= 500
     assert cfg.num_workers == 12 and cfg.lr == 0.01 and cfg.momentum == 0.99
-    cpu = resolve(TrainConfig(), "cpu", world_size=2, median_shape=(64, 64, 40), cpu_count=2, local_world_size=2)
-    assert cpu.features == DEVICE_DEFAULTS["cpu"]["features"] and cpu.num_workers == 1 and cpu.momentum == 0.95
-    assert resolve(TrainConfig(momentum=0.5), "cpu", 1, (64, 64, 64), 2, 1).momentum == 0.5
+    cpu_plan = planned(TrainConfig(), "cpu", (64, 64, 40), (1.0, 1.0, 1.5))
+    cpu = resolve(TrainConfig(), cpu_plan, "cpu", world_size=2, cpu_count=2, local_world_size=2)
+    assert cpu.features == DEVICE_DEFAULTS["cpu"]["features"] and cpu.patch_size == (48, 48, 32)
+    assert cpu.num_workers == 1 and cpu.momentum == 0.95
+    assert resolve(TrainConfig(momentum=0.5), cpu_plan, "cpu", 1, 2, 1).momentum == 0.5
 
 
-def test_resolve_shrinks_patch_to_small_volumes_and_checks_divisibility():
-    cfg = resolve(TrainConfig(), "cuda", world_size=1, median_shape=(40, 200, 20), cpu_count=8, local_world_size=1)
-    assert cfg.patch_size == (48, 128, 32)  # rounded up to multiples of 16
-    with pytest.raises(ValueError, match=r"--patch-size \(24, 24, 24\): every size must be divisible by 16"):
-        resolve(TrainConfig(patch_size=24), "cuda", 1, (64, 64, 64), 8, 1)
+def test_resolve_takes_the_planned_patch_and_keeps_explicit_values():
+    plan = planned(TrainConfig(), "cuda", (40, 200, 20))
+    cfg = resolve(TrainConfig(), plan, "cuda", world_size=1, cpu_count=8, local_world_size=1)
+    divisor = [int(np.prod([s[a] for s in plan.strides])) for a in range(3)]
+    assert cfg.patch_size == plan.patch_size and all(p % d == 0 for p, d in zip(cfg.patch_size, divisor))
+    assert cfg.patch_size[0] <= 40 and cfg.patch_size[2] <= 20, "a small median case is covered, not exceeded"
     explicit = TrainConfig(patch_size=(16, 16, 8), features=(4, 8), lr=0.5, epochs=2, samples_per_epoch=5)
-    cfg = resolve(explicit, "cpu", world_size=2, median_shape=(64, 64, 64), cpu_count=2, local_world_size=2)
+    cfg = resolve(
+        explicit, planned(explicit, "cpu", (64, 64, 64)), "cpu", world_size=2, cpu_count=2, local_world_size=2
+    )
     assert (cfg.patch_size, cfg.features, cfg.lr, cfg.epochs) == ((16, 16, 8), (4, 8), 0.5, 2)
     assert cfg.samples_per_epoch == 8  # rounded up to batch 2 x world 2
+    with pytest.raises(
+        ValueError, match=r"--features \[4, 8, 16, 32, 64\] asks for 5 levels, but a patch of \[24, 24, 24\]"
+    ):
+        planned(TrainConfig(patch_size=24, features=(4, 8, 16, 32, 64)), "cuda", (64, 64, 64))
+
+
+def test_spacing_option_forms():
+    assert parse_args([]).spacing == "auto" and parse_args(["--spacing", "none"]).spacing == "none"
+    assert parse_args(["--spacing", "0.8", "0.8", "3"]).spacing == (0.8, 0.8, 3.0)
+    for bad in (["1", "1"], ["1", "x", "1"], ["0", "1", "1"], ["fine"]):
+        with pytest.raises(ValueError, match="--spacing takes auto, none or three"):
+            TrainConfig(spacing=bad)
 
 
 @pytest.mark.parametrize(("cpus", "local", "expected"), [(64, 8, 7), (2, 2, 1), (1, 4, 1), (128, 1, 12)])

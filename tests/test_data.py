@@ -12,11 +12,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from data.augment import augment
-from data.cache import build_cache, is_fresh, open_case
+from data.cache import build_cache, fingerprint_cases, is_fresh, open_case
 from data.dataset import EpochSampler, PatchDataset
 from data.msd import load_dataset_json, split_cases
-from data.nifti import load_image, load_label, normalize, spacing
+from data.nifti import load_image, load_label, spacing
 from data.patches import PreparedCase, foreground_coords, sample_patch
+from data.plan import legacy_plan
+from data.preprocess import normalize
 from data.synthetic import write_synthetic_dataset
 
 
@@ -121,17 +123,22 @@ def test_label_out_of_range_is_refused(tmp_path):
 
 def test_normalize_zscore_and_ct_clipping():
     rng = np.random.default_rng(0)
+    zscore, per_case = {"modality": "MRI", "scheme": "zscore"}, {"modality": "CT", "scheme": "ct-per-case"}
     mri = rng.normal(300, 40, (1, 20, 20, 20)).astype(np.float32)
-    out = normalize(mri, ["MRI"])
+    out = normalize(mri, [zscore])
     assert abs(out.mean()) < 1e-4 and abs(out.std() - 1) < 1e-3
     ct = rng.normal(40, 10, (1, 20, 20, 20)).astype(np.float32)
     ct[0, 0, 0, :5] = 3000  # metal: clipped before the z-score
-    out = normalize(ct, ["CT"])
+    out = normalize(ct, [per_case])
     assert out.max() < 4 and abs(out.mean()) < 1e-4
-    unclipped = normalize(ct, ["MRI"])
+    unclipped = normalize(ct, [zscore])
     assert unclipped.max() > 20
+    dataset = {"modality": "CT", "scheme": "ct", "clip": [0.0, 80.0], "mean": 40.0, "std": 10.0}
+    out = normalize(ct, [dataset])
+    np.testing.assert_allclose(out, (np.clip(ct, 0, 80) - 40) / 10, rtol=1e-6, atol=1e-6)
+    assert out.max() == 4.0, "the dataset's statistics, not the case's"
     with pytest.raises(ValueError, match="1 channel"):
-        normalize(ct, ["CT", "PET"])
+        normalize(ct, [per_case, zscore])
 
 
 # --- patches and augmentation ----------------------------------------------------------------------------
@@ -267,34 +274,42 @@ def test_synthetic_dataset_is_deterministic_and_rich(tmp_path):
     assert not any(p.name.startswith("c.tmp") for p in tmp_path.iterdir())
 
 
+def as_stored(modalities=("MRI",)):
+    """The plan that uses cases as stored (no reorientation, resampling or crop), z-scored per case."""
+    return legacy_plan(list(modalities), (16, 16, 16), (4, 8))
+
+
 def test_cache_round_trip_and_staleness(tiny_dataset, tmp_path):
     spec = load_dataset_json(tiny_dataset)
     cache = tmp_path / "cache"
-    assert build_cache(spec.training, ["MRI"], 3, cache, shard=0, num_shards=2) == []
-    assert build_cache(spec.training, ["MRI"], 3, cache, shard=1, num_shards=2) == []
+    plan = as_stored()
+    assert build_cache(spec.training, plan, 3, cache, shard=0, num_shards=2) == []
+    assert build_cache(spec.training, plan, 3, cache, shard=1, num_shards=2) == []
     case = spec.training[2]
-    assert is_fresh(case, ["MRI"], 3, cache)
+    assert is_fresh(case, plan, 3, cache)
     cached = open_case(case, cache)
     assert isinstance(cached.image, np.memmap) and not cached.image.flags.writeable
-    np.testing.assert_allclose(cached.image, normalize(load_image(case.image)[0], ["MRI"]))
+    np.testing.assert_allclose(cached.image, normalize(load_image(case.image)[0], plan.normalization))
     np.testing.assert_array_equal(cached.label, load_label(case.label)[0])
+    np.testing.assert_array_equal(cached.native_label, load_label(case.label)[0])
+    assert cached.geometry.planned_shape == cached.label.shape
     assert set(cached.fg_coords) == set(np.unique(cached.label)) - {0}
     for cls, coords in cached.fg_coords.items():
         assert (cached.label[tuple(coords.T)] == cls).all()
-    assert not is_fresh(case, ["CT"], 3, cache), "other modalities need another normalisation"
+    assert not is_fresh(case, as_stored(["CT"]), 3, cache), "another normalisation is another plan"
     st = case.image.stat()
     os.utime(case.image, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     try:
-        assert not is_fresh(case, ["MRI"], 3, cache), "a changed source file must be rebuilt"
+        assert not is_fresh(case, plan, 3, cache), "a changed source file must be rebuilt"
     finally:
         os.utime(case.image, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def test_cache_reports_every_broken_case(tmp_path):
+def test_checks_report_every_broken_case(tmp_path):
     good = (np.zeros((4, 4, 4), np.float32), np.zeros((4, 4, 4), np.uint8))
     bad_shape = (np.zeros((4, 4, 4), np.float32), np.zeros((4, 4, 5), np.uint8))
     root = write_msd(tmp_path / "d", {"good": good, "bad1": bad_shape, "bad2": bad_shape})
     spec = load_dataset_json(root)
-    errors = build_cache(spec.training, ["MRI"], 3, tmp_path / "cache")
+    errors = fingerprint_cases(spec.training, spec, "RAS", "nonzero", tmp_path / "cache", 0, 1)
     assert len(errors) == 2 and all("spatial shape (4, 4, 4)" in e and "(4, 4, 5)" in e for e in errors)
     assert {e.split(":")[0] for e in errors} == {"bad1", "bad2"}

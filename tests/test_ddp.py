@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from data.patches import PreparedCase
 from tests.helpers import control_for, runtime, spawn_ranks, state_for
 from unet3d import UNet3D
 from unet3d.inference.metrics import case_metrics
@@ -92,7 +93,8 @@ def make_val_cases(n: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def run_validation(info: dist.DistInfo, out: Path) -> None:
     torch.manual_seed(0)
     model = UNet3D(1, 3, (4, 8))
-    mine = shard(make_val_cases(), info.rank, info.world_size)
+    cases = [PreparedCase(f"v{i}", image, label, {}) for i, (image, label) in enumerate(make_val_cases())]
+    mine = shard(cases, info.rank, info.world_size)
     result = validate(model, mine, 3, InferenceSettings(window=(8, 8, 8)), info.device)
     torch.save(
         {"per_class": torch.from_numpy(result.per_class), "mean": result.mean_dice, "n": result.num_cases},

@@ -32,8 +32,8 @@ def weights() -> dict[str, torch.Tensor]:
 def test_bare_state_dicts_of_every_wrapper_load_identically(weights, prefix, wrap, tmp_path):
     saved = {prefix + k: v for k, v in weights.items()}
     torch.save({"state_dict": saved} if wrap else saved, tmp_path / "w.pt")
-    model, cfg, names = load_model(tmp_path / "w.pt", torch.device("cpu"))
-    assert cfg is None and names is None and model.features == FEATURES and not model.training
+    model, checkpoint = load_model(tmp_path / "w.pt", torch.device("cpu"))
+    assert "config" not in checkpoint and model.features == FEATURES and not model.training
     loaded = model.state_dict()
     assert loaded.keys() == weights.keys()
     assert all(torch.equal(loaded[k], weights[k]) for k in weights)

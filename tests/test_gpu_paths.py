@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from data.plan import legacy_plan
 from tests.helpers import control_for, runtime, state_for
 from unet3d import DiceCELoss, UNet3D
 from unet3d import precision as amp
@@ -73,12 +74,16 @@ def test_fused_optimizers_never_run_under_fp16_loss_scaling(device, dtype, kerne
         build_optimizer(torch.nn.Linear(2, 2).parameters(), "sgd", 0.1, 0.0, 0.9, kernels="fast")
 
 
-def test_device_report_without_props_uuid(monkeypatch, caplog):
+def test_device_report_without_props_uuid(monkeypatch, caplog, tmp_path):
     """`props.uuid` is missing on some torch versions the project allows: the report must not need it."""
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(name="Tesla V100"))
     info = dist.DistInfo(0, 0, 1, 1, GPU)
-    cfg = TrainConfig(features=(4, 8), patch_size=(16, 16, 8), epochs=1, samples_per_epoch=4, num_workers=0)
-    run = SimpleNamespace(data_dir="d", train=[], val=[], spec=SimpleNamespace(class_names=["bg", "x"]), cache="c")
+    cfg = TrainConfig(
+        features=(4, 8), patch_size=(16, 16, 8), epochs=1, samples_per_epoch=4, num_workers=0, out_dir=str(tmp_path)
+    )
+    plan = legacy_plan(["MRI"], (16, 16, 8), (4, 8))
+    spec = SimpleNamespace(class_names=["bg", "x"])
+    run = SimpleNamespace(data_dir="d", train=[], val=[], spec=spec, cache="c", plan=plan)
     logger = logging.getLogger("unet3d")
     logger.propagate = True
     with caplog.at_level(logging.INFO, logger="unet3d"):

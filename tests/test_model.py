@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from unet3d import UNet3D
+from unet3d.model import plan_topology
 
 SHAPES = [
     # (in_channels, num_classes, features, input spatial size)
@@ -25,7 +26,7 @@ def test_default_width_is_nnunet():
     model = UNet3D(1, 3)
     assert model.features == (32, 64, 128, 256, 320)
     assert [b[0].out_channels for b in model.encoder] == [32, 64, 128, 256, 320]
-    assert model.size_divisor == 16
+    assert model.size_divisor == (16, 16, 16)
     assert isinstance(model.encoder[1][0], torch.nn.Conv3d) and model.encoder[1][0].stride == (2, 2, 2)
     assert model.encoder[0][0].bias is None, "no bias before a normalisation"
     assert isinstance(model.encoder[0][2], torch.nn.LeakyReLU)
@@ -81,7 +82,7 @@ def test_tiny_feature_maps_run_in_float32_under_autocast():
 )
 def test_rejects_indivisible_sizes(features, size):
     model = UNet3D(1, 2, features)
-    with pytest.raises(ValueError, match=r"not divisible by \d+") as err:
+    with pytest.raises(ValueError, match=r"not divisible by \(\d+, \d+, \d+\)") as err:
         model(torch.randn(1, 1, *size))
     assert str(tuple(size)) in str(err.value)
 
@@ -139,3 +140,43 @@ def test_checkpointed_blocks_store_fewer_activations():
             model(x).sum()
         saved.append(sum(sizes))
     assert saved[1] < saved[0] / 2
+
+
+ANISOTROPIC = [
+    # (in_channels, num_classes, features, kernels, strides, input size)
+    (1, 3, (4, 8, 16), [(3, 3, 1), (3, 3, 1), (3, 3, 3)], [(1, 1, 1), (2, 2, 1), (2, 2, 2)], (16, 16, 4)),
+    (2, 2, (4, 8), [3, 3], [1, (1, 2, 2)], (8, 16, 16)),
+]
+
+
+@pytest.mark.parametrize(("in_channels", "num_classes", "features", "kernels", "strides", "size"), ANISOTROPIC)
+def test_per_level_kernels_and_strides(in_channels, num_classes, features, kernels, strides, size):
+    model = UNet3D(in_channels, num_classes, features, kernels, strides)
+    out = model(torch.randn(2, in_channels, *size))
+    assert out.shape == (2, num_classes, *size)
+    first = model.encoder[0][0]
+    assert first.kernel_size == model.kernels[0] and first.padding == tuple(k // 2 for k in model.kernels[0])
+    expected = tuple(int(torch.tensor([s[a] for s in model.strides]).prod()) for a in range(3))
+    assert model.size_divisor == expected
+
+
+def test_bad_kernels_and_strides_are_refused():
+    with pytest.raises(ValueError, match="one entry per level"):
+        UNet3D(1, 2, (4, 8), kernels=[3])
+    with pytest.raises(ValueError, match="odd"):
+        UNet3D(1, 2, (4, 8), kernels=[3, 2])
+    with pytest.raises(ValueError, match="first level's stride must be 1"):
+        UNet3D(1, 2, (4, 8), strides=[2, 2])
+
+
+def test_topology_for_thick_slices_pools_in_plane_first():
+    """0.8 x 0.8 x 5 mm: the first levels pool in-plane only (and convolve 3x3x1) until the voxels are nearly
+    isotropic; then every axis, as nnU-Net's planner does."""
+    kernels, strides = plan_topology((0.8, 0.8, 5.0), (192, 160, 48), 6)
+    assert strides[:3] == [(1, 1, 1), (2, 2, 1), (2, 2, 1)]
+    assert kernels[:2] == [(3, 3, 1), (3, 3, 1)] and kernels[2:] == [(3, 3, 3)] * (len(kernels) - 2)
+    assert all(s == (2, 2, 2) for s in strides[3:5])
+    isotropic_kernels, isotropic = plan_topology((1.0, 1.0, 1.0), (128, 128, 128), 6)
+    assert isotropic == [(1, 1, 1)] + [(2, 2, 2)] * 5 and isotropic_kernels == [(3, 3, 3)] * 6
+    _, short = plan_topology((1.0, 1.0, 1.0), (128, 128, 16), 6)
+    assert [s[2] for s in short] == [1, 2, 2, 1, 1, 1], "an axis is not pooled below 4 voxels"

@@ -210,6 +210,13 @@ def broken_copy(shared: Path, tmp_path: Path, kind: str) -> tuple[Path, str]:
         seg = seg.copy()
         seg[0, 0, 0] = 7
         nib.save(nib.Nifti1Image(seg, lbl.affine), label)
+    elif kind == "sheared affine":
+        sheared = img.affine @ np.array([[1, 0.4, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1.0]])
+        nib.save(nib.Nifti1Image(data, sheared), image)
+        nib.save(nib.Nifti1Image(seg, sheared), label)
+    elif kind == "2D image":
+        nib.save(nib.Nifti1Image(data[:, :, :1], img.affine), image)
+        nib.save(nib.Nifti1Image(seg[:, :, :1], lbl.affine), label)
     elif kind == "NaN image":
         data = data.copy()
         data[1, 2, 3] = np.nan
@@ -226,7 +233,9 @@ def broken_copy(shared: Path, tmp_path: Path, kind: str) -> tuple[Path, str]:
         ("malformed dataset.json", "is not valid JSON"),
         ("missing image", "listed in dataset.json but missing"),
         ("shape mismatch", "has spatial shape"),
-        ("affine mismatch", "affine differs"),
+        ("affine mismatch", "are not where those of"),
+        ("sheared affine", "the affine is sheared"),
+        ("2D image", "is not a 3D volume"),
         ("undeclared label", "label value(s) [7] not declared"),
         ("NaN image", "NaN or infinite value(s)"),
         ("no validation case", "holds out no validation case"),

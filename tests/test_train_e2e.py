@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import run
@@ -64,7 +66,16 @@ def test_checkpoint_is_unwrapped_and_safe_to_load(trained):
     assert state["epoch"] == 2
     assert state["model"] and not any(k.startswith("module.") for k in state["model"])
     assert state["config"]["epochs"] == 2 and state["config"]["patch_size"] == (32, 32, 16)
-    assert state["model_args"] == {"in_channels": 1, "num_classes": 3, "features": [8, 16, 32, 64]}
+    assert state["model_args"] == {
+        "in_channels": 1,
+        "num_classes": 3,
+        "features": [8, 16, 32, 64],
+        "kernels": [[3, 3, 3]] * 4,
+        "strides": [[1, 1, 1], [2, 2, 2], [2, 2, 2], [2, 2, 1]],  # 16 voxels along z: no third halving
+    }
+    assert state["plan"]["network"]["strides"] == state["model_args"]["strides"]
+    assert state["plan"]["spacing"] == [1.0, 1.0, 1.5] and state["plan"]["orientation"] == "RAS"
+    assert json.loads((tmp / "run" / "plan.json").read_text()) == state["plan"]
     assert 0 <= state["best_metric"] <= 1
     assert (tmp / "run/checkpoints/best.pt").is_file()
     assert not [p for p in (tmp / "run/checkpoints").iterdir() if p.name.startswith(".")], "no temporary files"
@@ -85,7 +96,12 @@ def test_tensorboard_holds_a_validation_overlay(trained):
     acc.Reload()
     images = acc.Images("val/overlay")
     assert [i.step for i in images][:2] == [1, 2]
-    assert images[0].width == 3 * images[0].height, "image | reference | prediction side by side"
+    picture = np.asarray(Image.open(io.BytesIO(images[0].encoded_image_string)))
+    assert picture.shape[1] % 3 == 0 and picture.shape[1] >= 3 * 192, "image | reference | prediction side by side"
+    panel = picture[-10:, : picture.shape[1] // 3].astype(int)
+    other = picture[-10:, picture.shape[1] // 3 : 2 * picture.shape[1] // 3].astype(int)
+    assert picture.shape[0] > picture.shape[1] // 3, "a caption above the panels"
+    assert panel.shape == other.shape
 
 
 def test_evaluate_reproduces_the_runs_own_validation(trained):

@@ -108,18 +108,32 @@ def state_dict_of(checkpoint: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def infer_model_args(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """UNet3D's in_channels, num_classes and features read off the weight shapes of an unprefixed state dict."""
+    """UNet3D's arguments read off the weight shapes of an unprefixed state dict: in_channels, num_classes,
+    features, and each level's kernel (its first convolution's) and stride (its up-convolution's kernel)."""
     try:
-        features = []
+        features, kernels = [], []
         while f"encoder.{len(features)}.0.weight" in state_dict:
-            features.append(int(state_dict[f"encoder.{len(features)}.0.weight"].shape[0]))
+            weight = state_dict[f"encoder.{len(features)}.0.weight"]
+            features.append(int(weight.shape[0]))
+            kernels.append([int(k) for k in weight.shape[2:]])
+        levels = len(features)
+        # decoder[j] brings level levels-1-j up to levels-2-j with the stride that reached levels-1-j
+        strides = [[1, 1, 1]] + [
+            [int(k) for k in state_dict[f"decoder.{levels - 1 - i}.up.weight"].shape[2:]] for i in range(1, levels)
+        ]
         in_channels = int(state_dict["encoder.0.0.weight"].shape[1])
         num_classes = int(state_dict["head.weight"].shape[0])
     except KeyError as e:
         raise ValueError(
             f"cannot infer the U-Net's shape: the weights have no {e}; give --in-channels, --num-classes and --features"
         ) from e
-    return {"in_channels": in_channels, "num_classes": num_classes, "features": features}
+    return {
+        "in_channels": in_channels,
+        "num_classes": num_classes,
+        "features": features,
+        "kernels": kernels,
+        "strides": strides,
+    }
 
 
 def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], source: str | Path) -> None:
@@ -145,8 +159,10 @@ def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
     model.load_state_dict(weights)
 
 
-def load_model(path: str | Path, device: torch.device, overrides: dict[str, Any] | None = None):
-    """(UNet3D on `device` in eval mode, the training configuration or None, the class names or None).
+def load_model(
+    path: str | Path, device: torch.device, overrides: dict[str, Any] | None = None
+) -> tuple[UNet3D, dict[str, Any]]:
+    """(UNet3D on `device` in eval mode, the loaded checkpoint: its `config`, `class_names`, `plan`, if any).
 
     Reads train_ddp.py's checkpoints (which carry the architecture) and bare state dicts of any wrapper
     (the architecture read off the weight shapes); `overrides` replace model arguments that are not None.
@@ -154,7 +170,10 @@ def load_model(path: str | Path, device: torch.device, overrides: dict[str, Any]
     checkpoint = load_checkpoint(path, device)
     weights = state_dict_of(checkpoint)
     model_args = checkpoint.get("model_args") or infer_model_args(strip_wrapper_prefixes(weights))
-    model_args = {**model_args, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if "features" in given and len(given["features"]) != len(model_args["features"]):
+        model_args = {k: v for k, v in model_args.items() if k not in ("kernels", "strides")}  # the defaults
+    model_args = {**model_args, **given}
     model = UNet3D(**model_args).to(device)
     load_weights(model, weights, path)
-    return model.eval(), checkpoint.get("config"), checkpoint.get("class_names")
+    return model.eval(), checkpoint

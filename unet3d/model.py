@@ -25,44 +25,61 @@ def instance_norm(channels: int) -> nn.GroupNorm:
     return nn.GroupNorm(channels, channels, eps=1e-5, affine=True)
 
 
+Triple = tuple[int, int, int]
+
+
+def _triples(values: Sequence[int | Sequence[int]], what: str) -> tuple[Triple, ...]:
+    out = []
+    for v in values:
+        t = (int(v),) * 3 if isinstance(v, int) else tuple(int(x) for x in v)
+        if len(t) != 3 or min(t) < 1:
+            raise ValueError(f"{what} must be positive ints or triples of them, got {list(values)}")
+        out.append(t)
+    return tuple(out)
+
+
 class ConvBlock(nn.Sequential):
-    """Two (3x3x3 convolution, instance norm, LeakyReLU) units; the first may downsample by its stride.
+    """Two (convolution, instance norm, LeakyReLU) units; the first may downsample by its stride.
 
     The convolutions have no bias: the normalisation right after them would remove it.
 
     Args:
         in_channels: channels of the input.
         out_channels: channels of both convolutions' outputs.
-        stride: stride of the first convolution (2 halves each spatial size, as nnU-Net downsamples).
+        kernel: kernel size per axis, odd (3x3x3, or 3x3x1 for a level whose voxels are still thick on one axis).
+        stride: stride of the first convolution per axis (2 halves a size, as nnU-Net downsamples; 1 keeps it).
     """
 
-    def __init__(self, in_channels: int, out_channels: int, stride: int = 1) -> None:
+    def __init__(self, in_channels: int, out_channels: int, kernel: Triple = (3, 3, 3), stride: Triple = (1, 1, 1)):
+        padding = tuple(k // 2 for k in kernel)
         super().__init__(
-            nn.Conv3d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False),
+            nn.Conv3d(in_channels, out_channels, kernel, stride=stride, padding=padding, bias=False),
             instance_norm(out_channels),
             nn.LeakyReLU(0.01, inplace=True),
-            nn.Conv3d(out_channels, out_channels, 3, padding=1, bias=False),
+            nn.Conv3d(out_channels, out_channels, kernel, padding=padding, bias=False),
             instance_norm(out_channels),
             nn.LeakyReLU(0.01, inplace=True),
         )
-        self.stride = stride
+        self.stride = tuple(stride)
 
 
 class UpBlock(nn.Module):
-    """Transposed-convolution upsampling, skip concatenation, then a ConvBlock.
+    """Transposed-convolution upsampling (kernel = stride), skip concatenation, then a ConvBlock.
 
     Args:
         in_channels: channels of the coarser feature map coming up the decoder.
         out_channels: channels of the skip connection and of the output.
+        kernel: the ConvBlock's kernel (that of the finer level).
+        stride: the upsampling factor per axis (the stride the encoder used to reach the coarser level).
     """
 
-    def __init__(self, in_channels: int, out_channels: int) -> None:
+    def __init__(self, in_channels: int, out_channels: int, kernel: Triple, stride: Triple) -> None:
         super().__init__()
-        self.up = nn.ConvTranspose3d(in_channels, out_channels, kernel_size=2, stride=2, bias=False)
-        self.conv = ConvBlock(2 * out_channels, out_channels)
+        self.up = nn.ConvTranspose3d(in_channels, out_channels, kernel_size=stride, stride=stride, bias=False)
+        self.conv = ConvBlock(2 * out_channels, out_channels, kernel)
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
-        """(B, in, D, H, W) and skip (B, out, 2D, 2H, 2W) -> (B, out, 2D, 2H, 2W)."""
+        """(B, in, D, H, W) and skip (B, out, sD, sH, sW) -> (B, out, sD, sH, sW), s = the stride."""
         return self.conv(torch.cat([self.up(x), skip], dim=1))
 
 
@@ -84,64 +101,124 @@ def _run(
 
 
 class UNet3D(nn.Module):
-    """3D U-Net: an encoder of ConvBlocks that halves the size per level, a mirrored decoder with skips.
+    """3D U-Net: an encoder of ConvBlocks that downsamples per level, a mirrored decoder with skips.
 
     Args:
         in_channels: input channels (imaging modalities).
         num_classes: output channels: one logit per class, background included.
         features: channels per level, finest first; its length is the number of levels.
+        kernels: per level, the convolution kernel (an int or a triple; default 3 everywhere).
+        strides: per level, the stride that reaches it from the level above (the first is 1; default 2
+            elsewhere). A stride of 1 on an axis keeps that axis's size: in-plane-only pooling while the voxels
+            are still anisotropic, as planned by `plan_topology`.
 
-    Input sizes must be divisible by 2 ** (len(features) - 1) on every spatial axis. Setting
+    Input sizes must be divisible by `size_divisor` (the product of the strides) on each axis. Setting
     `grad_checkpoint = True` recomputes each encoder and decoder block's activations during the backward
     pass instead of keeping them: less memory for larger patches, at the cost of a second forward pass.
     """
 
-    def __init__(self, in_channels: int, num_classes: int, features: Sequence[int] = (32, 64, 128, 256, 320)) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        num_classes: int,
+        features: Sequence[int] = (32, 64, 128, 256, 320),
+        kernels: Sequence[int | Sequence[int]] | None = None,
+        strides: Sequence[int | Sequence[int]] | None = None,
+    ) -> None:
         super().__init__()
         features = tuple(int(f) for f in features)
         if in_channels < 1 or num_classes < 1:
             raise ValueError(f"in_channels and num_classes must be >= 1, got {in_channels}, {num_classes}")
         if len(features) < 2 or min(features) < 1:
             raise ValueError(f"features needs at least two positive entries, got {features}")
+        levels = len(features)
+        kernels = _triples(kernels if kernels is not None else [3] * levels, "kernels")
+        strides = _triples(strides if strides is not None else [1] + [2] * (levels - 1), "strides")
+        if len(kernels) != levels or len(strides) != levels:
+            raise ValueError(f"kernels and strides need one entry per level ({levels}), got {kernels}, {strides}")
+        if any(k % 2 == 0 for kernel in kernels for k in kernel):
+            raise ValueError(f"kernels must be odd, got {kernels}")
+        if strides[0] != (1, 1, 1):
+            raise ValueError(f"the first level's stride must be 1, got {strides[0]}")
         self.in_channels = in_channels
         self.num_classes = num_classes
-        self.features = features
+        self.features, self.kernels, self.strides = features, kernels, strides
         self.encoder = nn.ModuleList(
-            [ConvBlock(in_channels, features[0])]
-            + [ConvBlock(features[i - 1], features[i], stride=2) for i in range(1, len(features))]
+            [ConvBlock(in_channels, features[0], kernels[0])]
+            + [ConvBlock(features[i - 1], features[i], kernels[i], strides[i]) for i in range(1, levels)]
         )
         self.decoder = nn.ModuleList(
-            [UpBlock(features[i + 1], features[i]) for i in reversed(range(len(features) - 1))]
+            [UpBlock(features[i + 1], features[i], kernels[i], strides[i + 1]) for i in reversed(range(levels - 1))]
         )
         self.head = nn.Conv3d(features[0], num_classes, kernel_size=1)
         self.grad_checkpoint = False
 
     @property
-    def size_divisor(self) -> int:
-        """Every spatial input size must be a multiple of this."""
-        return 2 ** (len(self.features) - 1)
+    def size_divisor(self) -> Triple:
+        """Every spatial input size must be a multiple of this, per axis."""
+        return tuple(math.prod(s[axis] for s in self.strides) for axis in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_channels, D, H, W) -> logits (B, num_classes, D, H, W)."""
         if x.ndim != 5 or x.shape[1] != self.in_channels:
             raise ValueError(f"expected input (B, {self.in_channels}, D, H, W), got {tuple(x.shape)}")
-        if any(s % self.size_divisor for s in x.shape[2:]):
+        if any(s % d for s, d in zip(x.shape[2:], self.size_divisor)):
             raise ValueError(
                 f"spatial size {tuple(x.shape[2:])} is not divisible by {self.size_divisor} "
-                f"(2 ** (levels - 1) for {len(self.features)} levels)"
+                f"(the product of the strides of {len(self.features)} levels)"
             )
         skips = []
         for block in self.encoder:
-            x = _run(block, min(x.shape[2:]) // block.stride, self.grad_checkpoint, x)
+            x = _run(block, min(s // st for s, st in zip(x.shape[2:], block.stride)), self.grad_checkpoint, x)
             skips.append(x)
         skips.pop()  # the bottleneck output is x itself
         for up in self.decoder:
             x = _run(up, min(x.shape[2:]), self.grad_checkpoint, x, skips.pop())
-        # The 1x1x1 head runs channels-first whatever the model's memory format (see unet3d.layout): a
+        # The 1x1x1 head runs channels-first whatever the model's memory format (see unet3d.precision): a
         # no-op for contiguous activations, a cheap copy of the last feature map for channels-last ones.
         return self.head(x.contiguous())
 
 
-def fit_patch(patch: Sequence[int], shape: Sequence[float], divisor: int) -> tuple[int, int, int]:
-    """`patch`, shrunk on each axis to `shape` rounded up to a multiple of `divisor` (a size UNet3D accepts)."""
-    return tuple(min(int(p), math.ceil(s / divisor) * divisor) for p, s in zip(patch, shape))
+def fit_patch(patch: Sequence[int], shape: Sequence[float], divisor: Sequence[int]) -> Triple:
+    """`patch`, shrunk on each axis to `shape` rounded up to a multiple of that axis's `divisor` (a size UNet3D
+    with that `size_divisor` accepts)."""
+    return tuple(min(int(p), math.ceil(s / d) * d) for p, s, d in zip(patch, shape, divisor))
+
+
+MIN_FEATURE_MAP = 4  # no axis is pooled below this many voxels (nnU-Net's bottleneck floor)
+
+
+def plan_topology(spacing: Sequence[float], patch: Sequence[int], levels: int) -> tuple[list[Triple], list[Triple]]:
+    """Per-level kernels and strides for a patch at a voxel spacing, by nnU-Net's rule, up to `levels` levels.
+
+    At each pooling stage an axis is halved when its feature map is still at least 2 * MIN_FEATURE_MAP voxels
+    and its current spacing is within a factor 2 of the finest current spacing among such axes: thick axes
+    wait (stride 1) until in-plane pooling has made the voxels nearly isotropic. An axis gets a 3-wide kernel
+    once its spacing is within a factor 2 of the finest (1 before: 3x3x1 convolutions on thick slices), and
+    keeps it; the bottleneck's kernel is 3 on every axis. Stops early when no axis can be pooled (or only a
+    single axis shorter than 3 * MIN_FEATURE_MAP), so fewer than `levels` levels may come back.
+
+    Returns:
+        (kernels, strides), one triple per level, finest first; strides[0] is (1, 1, 1).
+    """
+    current, size = [float(s) for s in spacing], [float(p) for p in patch]
+    kernel = [1, 1, 1]
+    kernels: list[Triple] = []
+    strides: list[Triple] = [(1, 1, 1)]
+    while len(strides) < levels:
+        poolable = [a for a in range(3) if size[a] >= 2 * MIN_FEATURE_MAP]
+        if not poolable:
+            break
+        finest = min(current[a] for a in poolable)
+        poolable = [a for a in poolable if current[a] / finest < 2]
+        if len(poolable) == 1 and size[poolable[0]] < 3 * MIN_FEATURE_MAP:
+            break
+        kernel = [3 if k == 3 or current[a] / min(current) < 2 else 1 for a, k in enumerate(kernel)]
+        kernels.append(tuple(kernel))
+        stride = tuple(2 if a in poolable else 1 for a in range(3))
+        for a in poolable:
+            current[a] *= 2
+            size[a] = math.ceil(size[a] / 2)
+        strides.append(stride)
+    kernels.append((3, 3, 3))  # the bottleneck
+    return kernels, strides

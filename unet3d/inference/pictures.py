@@ -1,13 +1,20 @@
-"""Mid-slice pictures of a case: the image, the reference over it and the prediction over it, side by side."""
+"""Pictures of a case: the middle axial slice of the image, the reference over it and the prediction over it,
+side by side, drawn in physical proportions and labelled, so a person sees at a glance what was segmented.
+
+The volumes are in the planned space, which is RAS: the slice is the (X, Y) plane, drawn with anterior up
+and the patient's right on the right (neurological convention), each pixel as wide and tall as its voxel
+is in millimetres.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
 # Class colours (class 0, background, is left transparent).
 PALETTE = np.array(
@@ -25,20 +32,20 @@ PALETTE = np.array(
     dtype=np.float32,
 )
 ALPHA = 0.45
-MIN_SIDE = 192  # small slices are enlarged (nearest neighbour) to at least this many pixels
+MIN_SIDE = 192  # small slices are enlarged to at least this many pixels on their longer side
+TEXT = 14  # height of a line of text, in pixels
+COLUMNS = ("image", "reference", "prediction")
 
 
-def _gray(plane: np.ndarray) -> np.ndarray:
-    """A 2D slice -> (H, W, 3) float RGB in [0, 255], windowed to its 1st-99th percentiles."""
-    lo, hi = np.percentile(plane, [1, 99])
-    scaled = np.clip((plane - lo) / max(hi - lo, 1e-8), 0, 1) * 255
-    return np.repeat(scaled[..., None], 3, axis=-1)
+@dataclass(frozen=True)
+class Preview:
+    """What one picture of a case needs: its middle planes, their voxel size and a caption."""
 
-
-def _blend(gray: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    colours = PALETTE[labels % len(PALETTE)]
-    mask = (labels > 0)[..., None]
-    return np.where(mask, (1 - ALPHA) * gray + ALPHA * colours, gray)
+    image: np.ndarray  # (X, Y) float32, the first channel
+    ref: np.ndarray | None  # (X, Y) uint8
+    pred: np.ndarray  # (X, Y) uint8
+    spacing: tuple[float, float]  # voxel size along X and Y, in mm
+    caption: str  # e.g. "case_003  Dice 0.912"
 
 
 def middle_planes(
@@ -63,28 +70,63 @@ def middle_planes(
     )
 
 
-def overlay_planes(image: np.ndarray, ref: np.ndarray | None, pred: np.ndarray) -> np.ndarray:
-    """(X, Y) planes -> image | reference overlay | prediction overlay, as (s * Y, 3 * s * X, 3) uint8 RGB.
+def _gray(plane: np.ndarray) -> np.ndarray:
+    """A 2D slice -> (H, W, 3) float RGB in [0, 255], windowed to its 1st-99th percentiles."""
+    lo, hi = np.percentile(plane, [1, 99])
+    scaled = np.clip((plane - lo) / max(hi - lo, 1e-8), 0, 1) * 255
+    return np.repeat(scaled[..., None], 3, axis=-1)
 
-    Rotated so that the first axis runs left to right, enlarged by an integer factor s so that small slices
-    stay legible. Without a reference its panel is the plain image.
+
+def _blend(gray: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    colours = PALETTE[labels % len(PALETTE)]
+    mask = (labels > 0)[..., None]
+    return np.where(mask, (1 - ALPHA) * gray + ALPHA * colours, gray)
+
+
+def _physical(panel: np.ndarray, spacing: Sequence[float]) -> np.ndarray:
+    """(X, Y, 3) -> (H, W, 3) uint8 with anterior up, patient's right on the right, one pixel per
+    min(spacing) / s mm: a voxel of 0.8 x 3.6 mm is drawn 4.5 times as tall as it is wide."""
+    picture = Image.fromarray(np.rot90(panel).astype(np.uint8))  # rows: Y from anterior down; columns: X
+    step = min(spacing)
+    width, height = panel.shape[0] * spacing[0] / step, panel.shape[1] * spacing[1] / step
+    zoom = max(1.0, MIN_SIDE / max(width, height))
+    return np.asarray(picture.resize((round(width * zoom), round(height * zoom)), Image.NEAREST))
+
+
+def overlay(preview: Preview) -> np.ndarray:
+    """One row: image | reference overlay | prediction overlay, under the caption, as (H, W, 3) uint8.
+
+    Without a reference its panel is the plain image.
     """
-    gray = _gray(image)
-    panels = [gray, _blend(gray, ref) if ref is not None else gray, _blend(gray, pred)]
-    row = np.concatenate([np.rot90(p) for p in panels], axis=1).astype(np.uint8)
-    s = max(1, -(-MIN_SIDE // max(gray.shape)))
-    return row.repeat(s, axis=0).repeat(s, axis=1)
+    gray = _gray(preview.image)
+    panels = [gray, _blend(gray, preview.ref) if preview.ref is not None else gray, _blend(gray, preview.pred)]
+    row = np.concatenate([_physical(p, preview.spacing) for p in panels], axis=1)
+    canvas = Image.new("RGB", (row.shape[1], row.shape[0] + TEXT + 4))
+    canvas.paste(Image.fromarray(row), (0, TEXT + 4))
+    ImageDraw.Draw(canvas).text((4, 2), preview.caption, fill=(255, 255, 255), font=ImageFont.load_default())
+    return np.asarray(canvas)
 
 
-def overlay_row(image: np.ndarray, ref: np.ndarray | None, pred: np.ndarray) -> np.ndarray:
-    """`overlay_planes` of the volumes' middle slices (`middle_planes`)."""
-    return overlay_planes(*middle_planes(image, ref, pred))
+def _header(width: int, panel_width: int, class_names: Sequence[str]) -> np.ndarray:
+    """The column titles over the panels and a legend of the class colours."""
+    canvas = Image.new("RGB", (width, 2 * (TEXT + 4)))
+    draw, font = ImageDraw.Draw(canvas), ImageFont.load_default()
+    for i, title in enumerate(COLUMNS):
+        draw.text((i * panel_width + 4, 2), title, fill=(255, 255, 255), font=font)
+    x = 4
+    for k, name in enumerate(class_names[1:], start=1):
+        colour = tuple(int(c) for c in PALETTE[k % len(PALETTE)])
+        draw.rectangle((x, TEXT + 7, x + 10, TEXT + 15), fill=colour)
+        draw.text((x + 14, TEXT + 5), name, fill=(255, 255, 255), font=font)
+        x += 24 + int(draw.textlength(name, font=font))
+    return np.asarray(canvas)
 
 
-def write_overview(rows: Sequence[np.ndarray], path: str | Path) -> None:
-    """Stack overlay rows (each (H_i, W_i, 3) uint8) vertically, padded to one width, into a PNG file."""
+def write_overview(rows: Sequence[np.ndarray], path: str | Path, class_names: Sequence[str]) -> None:
+    """Column titles and a class legend, then the `overlay` rows stacked, into a PNG file."""
     if not rows:
         raise ValueError("no rows to draw")
     width = max(r.shape[1] for r in rows)
+    header = _header(width, rows[0].shape[1] // 3, class_names)
     padded = [np.pad(r, ((0, 4), (0, width - r.shape[1]), (0, 0))) for r in rows]
-    Image.fromarray(np.concatenate(padded, axis=0)).save(path)
+    Image.fromarray(np.concatenate([header, *padded], axis=0)).save(path)

@@ -111,17 +111,17 @@ def sliding_window_inference(model: nn.Module, image: torch.Tensor, settings: In
 
 
 @torch.no_grad()
-def predict(
+def predict_probabilities(
     model: nn.Module, image: np.ndarray | torch.Tensor, settings: InferenceSettings, device: torch.device
 ) -> torch.Tensor:
-    """Label map of a whole normalised volume: the one prediction path of validation and evaluate.py.
+    """Class probabilities of a whole normalised volume: the one prediction path of validation and evaluate.py.
 
     Args:
         image: (C, X, Y, Z) normalised intensities (NumPy arrays, memory maps included, are copied).
         settings: the sliding window, and with `tta` the softmax averaged over the 8 mirrorings.
 
     Returns:
-        (X, Y, Z) int64 labels on `device`.
+        (K, X, Y, Z) float32 softmax probabilities on `device`.
     """
     was_training = model.training
     model.eval()
@@ -129,14 +129,21 @@ def predict(
         x = torch.from_numpy(np.array(image, dtype=np.float32)) if isinstance(image, np.ndarray) else image
         x = x.to(device, torch.float32)
         if not settings.tta:
-            return sliding_window_inference(model, x, settings).argmax(0)
+            return torch.softmax(sliding_window_inference(model, x, settings), dim=0)
         probs = None
-        for r in range(4):
-            for axes in itertools.combinations((1, 2, 3), r):
-                flipped = x.flip(axes) if axes else x
-                logits = sliding_window_inference(model, flipped, settings)
-                p = torch.softmax(logits.flip(axes) if axes else logits, dim=0)
-                probs = p if probs is None else probs + p
-        return probs.argmax(0)
+        mirrorings = [axes for r in range(4) for axes in itertools.combinations((1, 2, 3), r)]
+        for axes in mirrorings:
+            flipped = x.flip(axes) if axes else x
+            logits = sliding_window_inference(model, flipped, settings)
+            p = torch.softmax(logits.flip(axes) if axes else logits, dim=0)
+            probs = p if probs is None else probs.add_(p)
+        return probs.div_(len(mirrorings))
     finally:
         model.train(was_training)
+
+
+def predict(
+    model: nn.Module, image: np.ndarray | torch.Tensor, settings: InferenceSettings, device: torch.device
+) -> torch.Tensor:
+    """(X, Y, Z) int64 labels on `device`: the argmax of `predict_probabilities`."""
+    return predict_probabilities(model, image, settings, device).argmax(0)

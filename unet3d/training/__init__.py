@@ -9,6 +9,7 @@ train_ddp.py uses it.
     checkpointing  when to save it, where to resume from, whether a checkpoint may be continued
     optim          optimizers and the progress-driven learning-rate schedules
     epoch          train_one_epoch: the step, and the per-step agreement between ranks
+    timing         where each rank's time goes: data wait, compute, sync wait; diagnoses; the profiler
     control        that agreement (bad steps, stop signals, the time budget), StopReason, failing together
     validation     distributed validation, exact whatever the number of ranks
     report         rank 0's epoch line, TensorBoard, the closing words

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from unet3d.checkpoint import CheckpointError, load_checkpoint, load_resumable, save_checkpoint
+from data.msd import DatasetSpec
+from data.plan import Plan, legacy_plan
+from unet3d.checkpoint import CheckpointError, load_resumable, save_checkpoint
 from unet3d.training import dist, rng
 from unet3d.training.config import TrainConfig
 from unet3d.training.control import TrainingError
@@ -41,6 +43,8 @@ FREE_FIELDS = (
     "compile",
     "grad_checkpoint",
     "memory_format",
+    "profile",
+    "profile_every_rank",
 )
 
 
@@ -70,15 +74,31 @@ def resume_source(cfg: TrainConfig) -> str | None:
     return str(found[0]) if found is not None else None
 
 
-def resume(rt: Runtime, state: TrainState, source: Path) -> None:
-    """Load `source` onto this rank's device into `state`, after checking that the run may continue it."""
-    checkpoint = load_checkpoint(source, rt.device)
-    changed = check_compatible(checkpoint, dataclasses.asdict(rt.cfg), state.model_args, rt.world_size, source)
-    log = get_logger()
+def saved_plan(checkpoint: dict[str, Any], spec: DatasetSpec) -> Plan:
+    """The plan a checkpoint was trained with; for one from before plans (format 1), the plan that describes
+    what that code did: every case as stored, per-case normalisation, 3x3x3 kernels and stride 2."""
+    if "plan" in checkpoint:
+        return Plan.from_dict(checkpoint["plan"])
+    cfg = checkpoint["config"]
+    get_logger().warning(
+        "the checkpoint is from before plans: applying the plan it was trained with (cases as stored, no "
+        "reorientation, resampling or crop, per-case normalisation)"
+    )
+    return legacy_plan(spec.modalities, cfg["patch_size"], cfg["features"])
+
+
+def check_resumable(rt: Runtime, checkpoint: dict[str, Any], model_args: dict[str, Any], source: Path) -> None:
+    """Refuse (CheckpointError naming every field) a checkpoint this run cannot continue; warn of settings
+    that changed."""
+    changed = check_compatible(checkpoint, dataclasses.asdict(rt.cfg), model_args, rt.world_size, source)
     if changed:
-        log.warning(f"resuming with changed settings: {', '.join(changed)}")
-    state.load(checkpoint, source=str(source), rank=rt.dist.rank, warn=log.warning)
-    log.info(f"resumed from {source}: {state.epoch} epoch(s) and {state.step} step(s) done")
+        get_logger().warning(f"resuming with changed settings: {', '.join(changed)}")
+
+
+def resume(rt: Runtime, state: TrainState, checkpoint: dict[str, Any], source: Path) -> None:
+    """Load `checkpoint` (read onto this rank's device) into `state`, before DDP wraps its model."""
+    state.load(checkpoint, source=str(source), rank=rt.dist.rank, warn=get_logger().warning)
+    get_logger().info(f"resumed from {source}: {state.epoch} epoch(s) and {state.step} step(s) done")
 
 
 def find_resume(resume: str, out_dir: str | Path, device, warn: Callable[[str], None]) -> tuple[Path, dict] | None:

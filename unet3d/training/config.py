@@ -1,7 +1,7 @@
 """The training configuration: one validated dataclass, the command line built from its fields.
 
-Fields left at None take a default that depends on where the run happens (GPU or CPU) and on the data;
-`resolve` fills them in and the resolved configuration is printed at start and stored in checkpoints.
+Fields left at None take a default that depends on where the run happens (GPU or CPU) and on the data's
+plan; `resolve` fills them in and the resolved configuration is printed at start and stored in checkpoints.
 """
 
 from __future__ import annotations
@@ -13,22 +13,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from data.plan import CROPS, ORIENTATIONS, Plan, PlanRequest
 from data.prepare import DataConfig
+from data.synthetic import GEOMETRIES
 from unet3d import precision
-from unet3d.model import fit_patch
 
 CHOICES = {
     "optimizer": ("sgd", "adamw"),
     "loss": ("dice", "dice_ce"),
     "amp": precision.AMP_CHOICES,
     "memory_format": precision.MEMORY_FORMAT_CHOICES,
+    "orientation": ORIENTATIONS,
+    "crop": CROPS,
+    "synthetic_geometry": GEOMETRIES,
 }
 
 # Defaults by device type. GPUs get nnU-Net's 3d_fullres width and a large patch; the CPU defaults are
-# sized so that the quick start learns the synthetic task in a few minutes on two cores.
+# sized so that the quick start learns the synthetic task in a few minutes on two cores. The plan takes
+# its patch's voxel count as the budget, and the first and last widths (doubling per level) with at most
+# as many levels as given here; the patch follows the data (`data.plan.plan_network`).
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {
-        "features": (32, 64, 128, 256, 320),
+        "features": (32, 64, 128, 256, 320, 320),
         "patch_size": (128, 128, 128),
         "epochs": 1000,
         "samples_per_epoch": 500,
@@ -70,15 +76,34 @@ class TrainConfig:
     out_dir: str = _f("runs/default", "run folder: checkpoints/, tensorboard/; a restarted job finds its own here")
     synthetic_dir: str = _f("runs/synthetic", "where the synthetic dataset is written (once) and reused")
     synthetic_cases: int = _f(24, "number of synthetic training cases")
-    synthetic_size: int = _f(64, "in-plane size of the synthetic volumes, in voxels")
+    synthetic_size: int = _f(64, "in-plane size of the synthetic volumes, in mm (1 mm voxels in-plane by default)")
+    synthetic_geometry: str = _f(
+        "uniform",
+        "synthetic acquisitions: uniform (1 x 1 x 1.5 mm, RAS) or mixed (isotropic RAS, thick-slice LPS, sagittal "
+        "thick-axis-first), the same anatomy in world coordinates",
+    )
     cache_dir: str | None = _f(None, "preprocessing cache (default: runs/cache/<dataset>-<hash>), reused across runs")
     val_fraction: float = _f(0.2, "share of the training list held out for validation")
     seed: int = _f(0, "seed of the split, the initial weights and every random patch")
+    orientation: str = _f(
+        "RAS", "bring every case to RAS axis order and directions (by permutations and flips), or none"
+    )
+    spacing: str | tuple[float, ...] = _f(
+        "auto",
+        "target voxel spacing in mm: auto (nnU-Net's rule from the training cases), none (each case as stored), "
+        "or X Y Z",
+        nargs="+",
+        type=str,
+        metavar="auto|none|X Y Z",
+    )
+    crop: str = _f("nonzero", "crop every case to its image's non-zero region (nonzero), or none")
     patch_size: tuple[int, ...] | None = _f(
-        None, "training patch: one int or three (default: by device and data)", nargs="+"
+        None, "training patch: one int or three (default: planned from the data within the device's budget)", nargs="+"
     )
     features: tuple[int, ...] | None = _f(
-        None, "channels per U-Net level, finest first (default: by device)", nargs="+"
+        None,
+        "channels per U-Net level, finest first (default: planned; their number is the number of levels)",
+        nargs="+",
     )
     batch_size: int = _f(2, "patches per step per process (the global batch is this times the world size)")
     epochs: int | None = _f(None, "number of epochs (default: by device)")
@@ -121,6 +146,12 @@ class TrainConfig:
         type=parse_duration,
         metavar="SECONDS|HH:MM:SS",
     )
+    profile: int = _f(
+        0,
+        "run this many steps of the first epoch under torch.profiler on rank 0 and write a trace to "
+        "OUT/profile/ (TensorBoard's profiler plugin and Perfetto open it), then go on",
+    )
+    profile_every_rank: bool = _f(False, "with --profile, every rank writes its own trace")
     max_bad_steps: int = _f(5, "stop after this many consecutive steps skipped for a non-finite loss or gradient")
     dist_timeout: float = _f(900.0, "seconds a collective may wait for the other ranks before the job fails")
     setup_timeout: float = _f(
@@ -134,6 +165,7 @@ class TrainConfig:
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {allowed}, got {getattr(self, name)!r}")
+        self.spacing = _spacing(self.spacing)
         if self.patch_size is not None:
             self.patch_size = _triple(self.patch_size, "patch_size")
         if self.features is not None:
@@ -165,6 +197,8 @@ class TrainConfig:
             raise ValueError(f"--fg-fraction must be in [0, 1], got {self.fg_fraction}")
         if not 0 <= self.val_overlap < 1:
             raise ValueError(f"--val-overlap must be in [0, 1), got {self.val_overlap}")
+        if self.profile < 0:
+            raise ValueError(f"--profile must be >= 0 steps, got {self.profile}")
         if self.num_workers is not None and self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
         if self.time_limit is not None and not self.time_limit > 0:
@@ -176,6 +210,19 @@ class TrainConfig:
     def data(self) -> DataConfig:
         """The fields that choose the run's data: its dataset, synthetic or not, its split and its cache."""
         return DataConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DataConfig)})
+
+
+def _spacing(value: str | Sequence) -> str | tuple[float, float, float]:
+    values = [value] if isinstance(value, str) else list(value)
+    if len(values) == 1 and str(values[0]) in ("auto", "none"):
+        return str(values[0])
+    try:
+        spacing = tuple(float(v) for v in values)
+    except ValueError as e:
+        raise ValueError(f"--spacing takes auto, none or three sizes in mm, got {' '.join(map(str, values))}") from e
+    if len(spacing) != 3 or not all(math.isfinite(v) and v > 0 for v in spacing):
+        raise ValueError(f"--spacing takes auto, none or three positive sizes in mm, got {' '.join(map(str, values))}")
+    return spacing
 
 
 def _triple(value: int | Sequence[int], name: str) -> tuple[int, int, int]:
@@ -192,35 +239,34 @@ def default_num_workers(cpu_count: int, local_world_size: int) -> int:
     return max(1, min(12, cpu_count // max(local_world_size, 1) - 1))
 
 
-def resolve(
-    cfg: TrainConfig,
-    device_type: str,
-    world_size: int,
-    median_shape: Sequence[int],
-    cpu_count: int,
-    local_world_size: int,
-) -> TrainConfig:
-    """A copy of `cfg` with every None replaced by its default for this device, world and dataset.
-
-    The default patch is the device's patch, shrunk to the dataset's median volume shape (rounded up
-    to what the U-Net accepts) so small volumes aren't mostly padding.
-    """
+def plan_request(cfg: TrainConfig, device_type: str) -> PlanRequest:
+    """What the plan is asked for: the geometry options, and the device's budget for patch and network."""
     defaults = DEVICE_DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
-    features = cfg.features or defaults["features"]
-    divisor = 2 ** (len(features) - 1)
-    patch = fit_patch(defaults["patch_size"], median_shape, divisor) if cfg.patch_size is None else cfg.patch_size
-    bad = [p for p in patch if p % divisor]
-    if bad:
-        raise ValueError(
-            f"--patch-size {patch}: every size must be divisible by {divisor} "
-            f"(2 ** (levels - 1) for {len(features)} U-Net levels)"
-        )
+    return PlanRequest(
+        orientation=cfg.orientation,
+        spacing=cfg.spacing,
+        crop=cfg.crop,
+        patch_voxels=math.prod(defaults["patch_size"]),
+        widths=(defaults["features"][0], defaults["features"][-1]),
+        max_levels=len(defaults["features"]),
+        patch_size=cfg.patch_size,
+        features=cfg.features,
+    )
+
+
+def resolve(
+    cfg: TrainConfig, plan: Plan, device_type: str, world_size: int, cpu_count: int, local_world_size: int
+) -> TrainConfig:
+    """A copy of `cfg` with every None replaced: the patch and widths by the plan (explicit values stay, and
+    a resumed run that asks for others than its checkpoint's is refused by the compatibility check), the
+    rest by this device and world."""
+    defaults = DEVICE_DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
     step = cfg.batch_size * world_size
     samples = cfg.samples_per_epoch or defaults["samples_per_epoch"]
     return dataclasses.replace(
         cfg,
-        features=tuple(features),
-        patch_size=tuple(patch),
+        features=tuple(cfg.features or plan.features),
+        patch_size=tuple(cfg.patch_size or plan.patch_size),
         epochs=cfg.epochs or defaults["epochs"],
         samples_per_epoch=math.ceil(samples / step) * step,
         lr=cfg.lr or (0.01 if cfg.optimizer == "sgd" else 1e-3),
@@ -249,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
         hint = str(hints[f.name])
         if "type" in f.metadata:
             kwargs.update(type=f.metadata["type"], metavar=f.metadata["metavar"])
+            if "nargs" in f.metadata:
+                kwargs["nargs"] = f.metadata["nargs"]
         elif "nargs" in f.metadata:
             kwargs.update(nargs=f.metadata["nargs"], type=int, metavar="N")
         elif hint == "bool":

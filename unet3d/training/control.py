@@ -1,8 +1,9 @@
 """Decisions every rank must take together, once per step: skip a bad step, stop, how far training is.
 
 One all_reduce per step carries each rank's view (a non-finite loss or gradient, a stop signal received,
-the time elapsed), so all ranks skip the same steps and stop after the same step, and the learning rate,
-when it follows a time budget, is the same everywhere.
+the time elapsed, its loss), so all ranks skip the same steps and stop after the same step, the learning
+rate, when it follows a time budget, is the same everywhere, and every step's loss over all ranks comes
+for free. The same collective is where a rank waits for the slowest one: `StepTimer` times it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from unet3d.training import dist
 from unet3d.training.logs import file_only, get_logger
+from unet3d.training.timing import StepTimer
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DEBOUNCE_S = 2.0  # one event often arrives twice (the terminal's Ctrl-C and torchrun forwarding it)
@@ -146,6 +148,7 @@ def end_job_without_restart() -> bool:
 
 @dataclass
 class StepVerdict:
+    loss: float  # the step's mean loss over every rank's samples (NaN when a rank's was not finite)
     skip: bool  # some rank saw a non-finite loss or gradient: nobody steps
     overflow: bool  # the fp16 loss scale overflowed on some rank: nobody steps, the scale is lowered
     stop: StopReason | None  # why every rank stops after this step, or None
@@ -161,30 +164,50 @@ class StepControl:
         self.budget = budget
         self.start_wall = budget.start_wall if budget is not None else started
         self.signal = StopSignal()
+        self.timer = StepTimer(device)
+        self.profiler = None  # a torch.profiler to step, on the rank asked to (`--profile`)
         self.bad_in_a_row = 0
         self.progress_floor = 0.0
 
     @contextmanager
-    def stop_signals(self) -> Iterator[None]:
-        """While training runs, SIGTERM/SIGINT ask for a graceful stop (`StopSignal`)."""
+    def running(self) -> Iterator[None]:
+        """While training runs: SIGTERM/SIGINT ask for a graceful stop (`StopSignal`), and the profiler, if
+        any, records."""
         self.signal.install()
+        if self.profiler is not None:
+            self.profiler.start()
         try:
             yield
         finally:
             self.signal.uninstall()
+            if self.profiler is not None:
+                self.profiler.stop()
+                self.profiler = None
 
     def elapsed(self) -> float:
         """Seconds since the budget's start, averaged over ranks (a collective: every rank calls it)."""
         mine = torch.tensor([time.time() - self.start_wall], dtype=torch.float64, device=self.device)
         return dist.all_reduce_sum(mine).item() / dist.get_world_size()
 
-    def agree(self, local_bad: torch.Tensor, local_overflow: torch.Tensor | bool = False) -> StepVerdict:
-        """One all_reduce of [bad, overflow, stop requested, elapsed]; every rank must call this every step."""
+    def meet(self) -> None:
+        """Every rank reaches the backward pass together (a one-number all_reduce; every rank must call it).
+
+        DDP's gradient all_reduce in the backward pass would otherwise be where ranks wait for a slower one,
+        hidden inside what looks like computing; here the wait is a span of its own (`StepTimer`).
+        """
+        dist.all_reduce_sum(torch.zeros(1, device=self.device))
+
+    def agree(
+        self, local_bad: torch.Tensor, local_overflow: torch.Tensor | bool, loss: torch.Tensor, samples: int
+    ) -> StepVerdict:
+        """One all_reduce of [bad, overflow, stop requested, elapsed, loss x samples, samples]; every rank must
+        call this every step."""
         elapsed = time.time() - self.start_wall
-        host = torch.tensor([float(self.signal.received is not None), elapsed], dtype=torch.float64)
+        host = torch.tensor([float(self.signal.received is not None), elapsed, samples], dtype=torch.float64)
         flags = [torch.as_tensor(f, device=self.device).double().reshape(1) for f in (local_bad, local_overflow)]
-        mine = torch.cat([*flags, host.to(self.device)])  # one copy to the device, one all_reduce
-        bad, overflow, stop, elapsed_sum = dist.all_reduce_sum(mine).tolist()
+        weighted = (loss.detach().double() * samples).reshape(1)
+        mine = torch.cat([*flags, host.to(self.device), weighted])  # one copy to the device, one all_reduce
+        bad, overflow, stop, elapsed_sum, samples_sum, loss_sum = dist.all_reduce_sum(mine).tolist()
         elapsed = elapsed_sum / dist.get_world_size()
         self.bad_in_a_row = self.bad_in_a_row + 1 if bad > 0 else 0
         if self.bad_in_a_row >= self.max_bad_steps:
@@ -197,7 +220,7 @@ class StepControl:
             reason = StopReason.SIGNAL
         elif self.budget is not None and self.budget.exhausted(elapsed):
             reason = StopReason.TIME_LIMIT
-        return StepVerdict(bad > 0, overflow > 0 and bad == 0, reason, elapsed)
+        return StepVerdict(loss_sum / max(samples_sum, 1.0), bad > 0, overflow > 0 and bad == 0, reason, elapsed)
 
     def progress(self, epoch_progress: float, elapsed: float) -> float:
         """Training progress for the schedule: the larger of the epoch and time fractions, never decreasing."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from unet3d.training.control import StepControl, StopReason
 from unet3d.training.logs import get_logger
 from unet3d.training.runtime import Runtime
 from unet3d.training.state import PartialEpoch, TrainState
+from unet3d.training.timing import EpochTiming
 
 POSTFIX_EVERY = 5  # steps between progress-bar loss readings (each one waits for the GPU)
 GRAD_CLIP = 12.0  # gradient-norm clipping, as nnU-Net
@@ -32,6 +34,8 @@ class EpochStats:
     skipped: int  # steps skipped for a non-finite loss or gradient
     overflowed: int  # steps the fp16 loss scale overflowed in (skipped, as the GradScaler does)
     stopped: StopReason | None  # why training stopped inside this epoch, or None when it completed
+    timing: EpochTiming  # where every rank's time went (`unet3d.training.timing`)
+    step_losses: list[tuple[int, float]]  # (global step counted from 1, mean loss over all ranks) per step
 
     @property
     def samples_per_s(self) -> float:
@@ -63,18 +67,25 @@ def train_one_epoch(
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     seen, skipped, overflowed, stopped, step = 0, 0, 0, None, carry.step
     elapsed = control.elapsed()
+    timer, step_losses = control.timer, []
+    timer.start_epoch()
     shown = rt.is_main and rt.show_progress
     bar = tqdm(
         total=steps, initial=carry.step, desc=f"train {epoch + 1}/{epochs}", disable=not shown, dynamic_ncols=True
     )
     start = time.perf_counter()
     for step, (image, label) in enumerate(batches, start=carry.step):
+        marks = timer.batch_arrived()
         schedule.set_progress(control.progress((epoch + step / steps) / epochs, elapsed))
         image = image.to(device, non_blocking=True)
         label = label.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         with autocast(device, rt.amp_dtype):
             loss = loss_fn(model(image), label)
+        if timer.enabled:  # where a rank waits for a slower one, as a span of its own
+            timer.mark(marks)
+            control.meet()
+            timer.mark(marks)
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
@@ -82,7 +93,9 @@ def train_one_epoch(
         # lowers the scale and the step is skipped), not a fault. Anywhere else they are a fault, as is a NaN loss.
         grads_bad = ~torch.isfinite(grad_norm)
         local_bad = ~torch.isfinite(loss.detach()) | (grads_bad & (not scaler.is_enabled()))
-        verdict = control.agree(local_bad, grads_bad & scaler.is_enabled())
+        timer.mark(marks)
+        verdict = control.agree(local_bad, grads_bad & scaler.is_enabled(), loss, len(image))
+        timer.mark(marks)
         elapsed = verdict.elapsed
         if verdict.skip:
             skipped += 1
@@ -96,6 +109,11 @@ def train_one_epoch(
             loss_sum += loss.detach().double() * len(image)
             seen += len(image)
         scaler.update()
+        timer.step_done(marks)
+        if math.isfinite(verdict.loss):
+            step_losses.append((epoch * steps + step + 1, verdict.loss))
+        if control.profiler is not None:
+            control.profiler.step()
         bar.update(1)
         if not bar.disable and (step % POSTFIX_EVERY == 0 or step == steps - 1):
             rate = seen * rt.world_size / max(time.perf_counter() - start, 1e-9)
@@ -104,6 +122,7 @@ def train_one_epoch(
             stopped = verdict.stop
             break
     bar.close()
+    timing = timer.summary(rt.where, rt.cfg.num_workers, rt.cpus_per_rank)
     totals = dist.all_reduce_sum(torch.stack([loss_sum, torch.tensor(seen, dtype=torch.float64, device=device)]))
     loss_total = totals[0].item() + carry.loss_sum
     samples = int(totals[1].item()) + carry.samples
@@ -119,6 +138,8 @@ def train_one_epoch(
         skipped,
         overflowed,
         stopped,
+        timing,
+        step_losses,
     )
     if stopped is None:
         state.epoch, state.partial_epoch = epoch + 1, PartialEpoch()

@@ -3,18 +3,24 @@
 UNET3D_FAULT_NAN="RANK:STEP,STEP;RANK:STEP" makes that rank's loss NaN at those global steps (counted
 from 0 over the whole run: epoch * steps_per_epoch + step), so the non-finite guard is tested end to end
 through the real training loop; UNET3D_FAULT_OOM (same form) raises torch.OutOfMemoryError there instead,
-as a GPU that runs out of memory does. In a normal run the loss function is returned untouched.
+as a GPU that runs out of memory does. UNET3D_SLOW_DATA="RANK:SECONDS" makes that rank's every sample
+take that much longer to load, UNET3D_SLOW_STEP="RANK:SECONDS" every training step (a slower GPU, a busy
+host), so the diagnoses of `unet3d.training.timing` are tested end to end. In a normal run the loss
+function and the dataset are returned untouched.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 FAULT_NAN, FAULT_OOM = "UNET3D_FAULT_NAN", "UNET3D_FAULT_OOM"
+SLOW_DATA, SLOW_STEP = "UNET3D_SLOW_DATA", "UNET3D_SLOW_STEP"
 
 
 def fault_steps(spec: str, rank: int) -> set[int]:
@@ -27,18 +33,49 @@ def fault_steps(spec: str, rank: int) -> set[int]:
     return steps
 
 
-class FaultyLoss(nn.Module):
-    """`loss`, but NaN at the `nan` steps and out of memory at the `oom` steps; one call per training step,
-    counted from `first_step` (a resumed run's position)."""
+def delay(spec: str, rank: int) -> float:
+    """The seconds of delay a "RANK:SECONDS;RANK:SECONDS" value gives `rank` (0 when it names it not)."""
+    for part in filter(None, spec.split(";")):
+        who, _, seconds = part.partition(":")
+        if int(who) == rank:
+            return float(seconds)
+    return 0.0
 
-    def __init__(self, loss: nn.Module, nan: set[int], oom: set[int], first_step: int) -> None:
+
+class SlowDataset(Dataset):
+    """`dataset`, each item `seconds` late."""
+
+    def __init__(self, dataset: Dataset, seconds: float) -> None:
+        self.dataset, self.seconds = dataset, seconds
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        time.sleep(self.seconds)
+        return self.dataset[key]
+
+
+def slow_data(dataset: Dataset, rank: int) -> Dataset:
+    """`dataset` itself, or a `SlowDataset` when UNET3D_SLOW_DATA names this rank."""
+    seconds = delay(os.environ.get(SLOW_DATA, ""), rank)
+    return SlowDataset(dataset, seconds) if seconds > 0 else dataset
+
+
+class FaultyLoss(nn.Module):
+    """`loss`, but NaN at the `nan` steps and out of memory at the `oom` steps, `slow` seconds late at every
+    one; one call per training step, counted from `first_step` (a resumed run's position)."""
+
+    def __init__(self, loss: nn.Module, nan: set[int], oom: set[int], first_step: int, slow: float = 0.0) -> None:
         super().__init__()
         self.loss = loss
         self.nan, self.oom = frozenset(nan), frozenset(oom)
         self.calls = first_step
+        self.slow = slow
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         step, self.calls = self.calls, self.calls + 1
+        time.sleep(self.slow)
         if step in self.oom:
             raise torch.OutOfMemoryError(f"injected by {FAULT_OOM} at step {step}: CUDA out of memory")
         value = self.loss(logits, target)
@@ -49,4 +86,5 @@ def inject_faults(loss: nn.Module, rank: int, first_step: int) -> nn.Module:
     """`loss` itself, or wrapped in `FaultyLoss` when a fault variable names this rank."""
     nan = fault_steps(os.environ.get(FAULT_NAN, ""), rank)
     oom = fault_steps(os.environ.get(FAULT_OOM, ""), rank)
-    return FaultyLoss(loss, nan, oom, first_step) if nan or oom else loss
+    slow = delay(os.environ.get(SLOW_STEP, ""), rank)
+    return FaultyLoss(loss, nan, oom, first_step, slow) if nan or oom or slow else loss

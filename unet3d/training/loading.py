@@ -4,28 +4,61 @@ rank's share of the validation cases."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch.utils.data import DataLoader
 
 from data.cache import open_case
 from data.dataset import EpochSampler, PatchDataset, ignore_stop_signals
 from data.patches import PreparedCase
-from data.prepare import DataConfig, DatasetError, RunData, dataset_problems, resolve_data, unique
+from data.plan import Plan, PlanRequest, plan_differences
+from data.prepare import DatasetError, RunData, build, inspect, plan_data, resolve_data, unique
 from unet3d.training import dist
+from unet3d.training.checkpointing import saved_plan
+from unet3d.training.config import TrainConfig, plan_request
+from unet3d.training.faults import slow_data
+from unet3d.training.logs import get_logger
 from unet3d.training.runtime import Runtime
 from unet3d.training.validation import shard
 
 
-def prepare_data(cfg: DataConfig, info: dist.DistInfo) -> RunData:
-    """The run's data, every case checked and cached: each node's local rank 0 writes the synthetic
-    dataset if there is none, each rank builds a share of the cache, and every rank's problems are
-    gathered, so that all ranks raise the same DatasetError together."""
-    run = resolve_data(cfg, lambda make: dist.run_on_local_main(make, info))
-    problems = dataset_problems(run, info.local_rank, info.local_world_size)
+def prepare_data(cfg: TrainConfig, info: dist.DistInfo, checkpoint: dict[str, Any] | None) -> RunData:
+    """The run's data, every case checked, planned and cached, the same on every rank.
+
+    Each node's local rank 0 writes the synthetic dataset if there is none; each rank checks and
+    fingerprints a share of the cases, then caches a share in the plan's space; every rank's problems are
+    gathered after each stage, so that all ranks raise the same DatasetError together. The plan is rank 0's
+    (made from the fingerprints, or the one `checkpoint` was trained with), handed to every rank.
+    """
+    run = resolve_data(cfg.data(), lambda make: dist.run_on_local_main(make, info))
+    request = plan_request(cfg, info.device.type)
+    _raise_gathered(run, inspect(run, request, info.local_rank, info.local_world_size))
+    plan = dist.run_on_main(lambda: choose_plan(run, request, checkpoint))
+    run = run.with_plan(plan)
+    _raise_gathered(run, build(run, info.local_rank, info.local_world_size))
+    return run
+
+
+def choose_plan(run: RunData, request: PlanRequest, checkpoint: dict[str, Any] | None) -> Plan:
+    """A new run's plan from its data; a resumed run's from its checkpoint, saying where the data no longer
+    fits it (the run continues with the checkpoint's plan)."""
+    saved = saved_plan(checkpoint, run.spec) if checkpoint is not None else None
+    if saved is None:
+        return plan_data(run, request)
+    if "plan" in checkpoint:
+        differences = plan_differences(saved, plan_data(run, request))
+        if differences:
+            get_logger().warning(
+                "the data no longer fits the checkpoint's plan (" + "; ".join(differences) + "): continuing with "
+                "the checkpoint's plan"
+            )
+    return saved
+
+
+def _raise_gathered(run: RunData, problems: list[str]) -> None:
     problems = unique([p for rank_problems in dist.all_gather_object(problems) for p in rank_problems])
     if problems:
         raise DatasetError(run.data_dir, problems)
-    return run
 
 
 def open_cases(run: RunData, info: dist.DistInfo) -> tuple[list[PreparedCase], list[PreparedCase]]:
@@ -37,7 +70,9 @@ def open_cases(run: RunData, info: dist.DistInfo) -> tuple[list[PreparedCase], l
 def make_loader(rt: Runtime, cases: Sequence[PreparedCase]) -> DataLoader:
     """This rank's loader of augmented patches; its EpochSampler must be told each epoch (`set_epoch`)."""
     cfg = rt.cfg
-    dataset = PatchDataset(cases, cfg.patch_size, cfg.samples_per_epoch, cfg.fg_fraction, cfg.seed)
+    dataset = slow_data(
+        PatchDataset(cases, cfg.patch_size, cfg.samples_per_epoch, cfg.fg_fraction, cfg.seed), rt.dist.rank
+    )
     sampler = EpochSampler(dataset, num_replicas=rt.world_size, rank=rt.dist.rank, shuffle=True, seed=cfg.seed)
     return DataLoader(
         dataset,

@@ -9,15 +9,14 @@ import os
 
 import torch
 
-from data.cache import open_case
-from data.prepare import DatasetError, check_dataset, resolve_data
+from data.prepare import DatasetError, build, in_processes, inspect, resolve_data
 from unet3d.checkpoint import CheckpointError
 from unet3d.training.checkpointing import check_compatible, find_resume
-from unet3d.training.config import TrainConfig
+from unet3d.training.config import TrainConfig, plan_request
 from unet3d.training.dist import DistInfo
+from unet3d.training.loading import choose_plan
 from unet3d.training.logs import setup_logging
 from unet3d.training.runtime import resolve_config
-from unet3d.training.state import model_args
 
 
 def preflight(cfg: TrainConfig) -> int:
@@ -28,20 +27,27 @@ def preflight(cfg: TrainConfig) -> int:
     # launch.sh sets PYTORCH_NVML_BASED_CUDA_CHECK: this asks NVML, so no CUDA context is created anywhere
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
+        found = find_resume(cfg.resume, cfg.out_dir, "cpu", log.warning)
+        checkpoint = found[1] if found is not None else None
         run = resolve_data(cfg.data(), lambda make: make())
-        problems = check_dataset(run, processes=max(local_world, min(8, os.cpu_count() or 1)))
+        request = plan_request(cfg, device.type)
+        processes = max(local_world, min(8, os.cpu_count() or 1))
+        problems = in_processes(inspect, run, request, processes=processes)
         if problems:
             raise DatasetError(run.data_dir, problems)
-        cases = [open_case(c, run.cache) for c in run.train]
-        resolved = resolve_config(cfg, run, DistInfo(0, 0, world, local_world, device), cases)
-        found = find_resume(cfg.resume, cfg.out_dir, "cpu", log.warning)
+        run = run.with_plan(choose_plan(run, request, checkpoint))
+        problems = in_processes(build, run, processes=processes)
+        if problems:
+            raise DatasetError(run.data_dir, problems)
+        info = DistInfo(0, 0, world, local_world, device)
+        resolved = resolve_config(cfg, run, info)
         if found is not None:
-            path, state = found
-            args = model_args(run.spec, resolved.features)
-            check_compatible(state, dataclasses.asdict(resolved), args, world, path)
+            args = run.plan.model_args(run.spec.in_channels, run.spec.num_classes)
+            check_compatible(checkpoint, dataclasses.asdict(resolved), args, world, found[0])
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         log.error(f"error: {e}")
         return 2
     note = f"will resume from {found[0]}" if found is not None else "starting fresh"
     log.info(f"checked {len(run.spec.training)} case(s) of {run.data_dir} (cache {run.cache}); {note}")
+    log.info(run.plan.describe())
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from unet3d.inference.pictures import overlay_planes
+from unet3d.inference.pictures import overlay
 from unet3d.training.checkpointing import BEST, LAST, checkpoint_dir
 from unet3d.training.epoch import EpochStats
 from unet3d.training.logs import get_logger
@@ -14,20 +14,40 @@ from unet3d.training.state import TrainState
 from unet3d.training.validation import ValResult
 
 
-def open_tensorboard(rt: Runtime, state: TrainState):
-    """Rank 0's SummaryWriter (None elsewhere); `purge_step` drops what a killed run logged past the
-    checkpoint it resumes from, so TensorBoard gets no duplicated or backwards steps."""
-    if not rt.is_main:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
+class Reporter:
+    """Rank 0's account of each epoch: the console line, TensorBoard, and each diagnosis once per run."""
 
-    return SummaryWriter(str(rt.out_dir / "tensorboard"), purge_step=state.epoch + 1)
+    def __init__(self, rt: Runtime, state: TrainState, class_names: Sequence[str]) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step drops what a killed run logged past the checkpoint it resumes from, so TensorBoard gets
+        # no duplicated or backwards steps
+        self.writer = SummaryWriter(str(rt.out_dir / "tensorboard"), purge_step=state.epoch + 1)
+        self.epochs = rt.cfg.epochs
+        self.class_names = list(class_names)
+        self.said: set[str] = set()
+
+    def epoch(self, stats: EpochStats, val: ValResult | None, is_best: bool) -> None:
+        """The epoch line; TensorBoard for every completed epoch and every validated one; diagnoses."""
+        if stats.stopped is None or val is not None:
+            log_epoch(self.writer, stats, val, self.class_names)
+        log = get_logger()
+        log.info(epoch_summary(self.epochs, stats, val, self.class_names, is_best))
+        if stats.epoch > 1 or stats.epoch == self.epochs:  # the first epoch also pays for the start
+            for kind, words in stats.timing.diagnoses().items():
+                if kind not in self.said:
+                    self.said.add(kind)
+                    log.warning(f"diagnosis: {words}")
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def epoch_summary(
     epochs: int, stats: EpochStats, val: ValResult | None, class_names: Sequence[str], is_best: bool
 ) -> str:
-    """One line: loss, learning rate, time and throughput, and the validation Dice when there is one.
+    """One line: loss, learning rate, time, throughput and where the time went, and the validation Dice
+    when there is one.
 
     An epoch cut short by a stop reads "epoch 3/10 stopped at step 7: ..." so that "epoch 3/10:" appears
     once per completed epoch.
@@ -35,6 +55,7 @@ def epoch_summary(
     where = f"epoch {stats.epoch}/{epochs}" + (f" stopped at step {stats.steps_done}" if stats.stopped else "")
     line = (
         f"{where}: loss {stats.loss:.4f}, lr {stats.lr:.2e}, {stats.seconds:.1f} s, {stats.samples_per_s:.1f} samples/s"
+        f", {stats.timing.line()}"
     )
     if stats.skipped:
         line += f", {stats.skipped} step(s) skipped"
@@ -47,31 +68,24 @@ def epoch_summary(
 
 
 def log_epoch(writer, stats: EpochStats, val: ValResult | None, class_names: Sequence[str]) -> None:
-    """TensorBoard: training scalars every epoch; validation Dice and a mid-slice overlay when validated.
-
-    The overlay shows the first validation case of rank 0: image | reference | prediction.
-    """
+    """TensorBoard: the loss of every step and the epoch's training scalars, where the time went; the
+    validation Dice and a mid-slice overlay when validated (the first validation case of rank 0)."""
     done = stats.epoch
+    for step, loss in stats.step_losses:
+        writer.add_scalar("train/loss_step", loss, step)
     writer.add_scalar("train/loss", stats.loss, done)
     writer.add_scalar("train/lr", stats.lr, done)
     writer.add_scalar("time/epoch_s", stats.seconds, done)
     writer.add_scalar("time/samples_per_s", stats.samples_per_s, done)
+    for tag, value in stats.timing.scalars().items():
+        writer.add_scalar(tag, value, done)
     if val is not None:
         for name, value in zip(class_names[1:], val.per_class):
             writer.add_scalar(f"val/dice_{name}", value, done)
         writer.add_scalar("val/mean_dice", val.mean_dice, done)
         if val.preview is not None:
-            writer.add_image("val/overlay", overlay_planes(*val.preview), done, dataformats="HWC")
+            writer.add_image("val/overlay", overlay(val.preview), done, dataformats="HWC")
     writer.flush()
-
-
-def report_epoch(
-    writer, epochs: int, stats: EpochStats, val: ValResult | None, class_names: Sequence[str], is_best: bool
-) -> None:
-    """Rank 0: the epoch line; TensorBoard for every completed epoch and every validated one."""
-    if stats.stopped is None or val is not None:
-        log_epoch(writer, stats, val, class_names)
-    get_logger().info(epoch_summary(epochs, stats, val, class_names, is_best))
 
 
 def closing_words(rt: Runtime, state: TrainState, stats: EpochStats | None) -> str:

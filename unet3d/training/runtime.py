@@ -6,15 +6,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from data.patches import PreparedCase
 from data.prepare import RunData
 from unet3d.inference.sliding_window import InferenceSettings
 from unet3d.precision import format_name, resolve_amp, resolve_memory_format
@@ -30,6 +27,7 @@ class Runtime:
     amp_dtype: torch.dtype | None  # autocast dtype, None for full precision
     memory_format: torch.memory_format  # layout of the model's activations
     steps_per_epoch: int  # optimizer steps per epoch, the same on every rank
+    where: tuple[str, ...] = ("local",)  # every rank's "host, device", in rank order (for the reports)
     show_progress: bool = True  # rank 0's progress bar (benchmarks and tests that step directly turn it off)
 
     @property
@@ -46,6 +44,11 @@ class Runtime:
         return self.dist.world_size
 
     @property
+    def cpus_per_rank(self) -> float:
+        """The CPUs this node has for each of its ranks (their loaders' workers included)."""
+        return len(os.sched_getaffinity(0)) / max(self.dist.local_world_size, 1)
+
+    @property
     def out_dir(self) -> Path:
         return Path(self.cfg.out_dir)
 
@@ -59,17 +62,16 @@ class Runtime:
         )
 
 
-def resolve_config(cfg: TrainConfig, run: RunData, info: dist.DistInfo, cases: Sequence[PreparedCase]) -> TrainConfig:
-    """Fill the device- and data-dependent defaults (the patch follows the median case); record the dataset."""
-    median_shape = np.median([c.label.shape for c in cases], axis=0)
+def resolve_config(cfg: TrainConfig, run: RunData, info: dist.DistInfo) -> TrainConfig:
+    """Fill the device- and plan-dependent defaults; record the dataset's folder."""
     cpus = len(os.sched_getaffinity(0))
     cfg = dataclasses.replace(cfg, data_dir=str(run.data_dir))
-    return resolve(cfg, info.device.type, info.world_size, median_shape, cpus, info.local_world_size)
+    return resolve(cfg, run.plan, info.device.type, info.world_size, cpus, info.local_world_size)
 
 
-def make_runtime(cfg: TrainConfig, info: dist.DistInfo, run: RunData, cases: Sequence[PreparedCase]) -> Runtime:
-    """The Runtime of this rank, for training on `cases` (the prepared training cases)."""
-    cfg = resolve_config(cfg, run, info, cases)
+def make_runtime(cfg: TrainConfig, info: dist.DistInfo, run: RunData) -> Runtime:
+    """The Runtime of this rank, for training on `run`'s data (planned and cached)."""
+    cfg = resolve_config(cfg, run, info)
     amp_dtype = resolve_amp(cfg.amp, info.device)
     torch.backends.cudnn.benchmark = True  # one patch size throughout: let cuDNN pick its fastest kernels
     return Runtime(
@@ -78,6 +80,7 @@ def make_runtime(cfg: TrainConfig, info: dist.DistInfo, run: RunData, cases: Seq
         amp_dtype=amp_dtype,
         memory_format=resolve_memory_format(cfg.memory_format, info.device, amp_dtype),
         steps_per_epoch=cfg.samples_per_epoch // (cfg.batch_size * info.world_size),
+        where=tuple(dist.all_gather_object(f"{socket.gethostname()}, {info.device}")),
     )
 
 
@@ -97,13 +100,17 @@ def describe_run(rt: Runtime, run: RunData) -> None:
         log.info("running alone: one process, no process group, no DistributedDataParallel")
     log.info(
         f"world size {info.world_size}, batch {cfg.batch_size} per process, global batch "
-        f"{cfg.batch_size * info.world_size}, {rt.steps_per_epoch} step(s) per epoch, {cfg.num_workers} "
-        "DataLoader worker(s) per process"
+        f"{cfg.batch_size * info.world_size}, {rt.steps_per_epoch} step(s) per epoch, "
+        f"{cfg.samples_per_epoch // info.world_size} sample(s) per rank per epoch, {cfg.num_workers} DataLoader "
+        f"worker(s) per process, {rt.cpus_per_rank:.3g} CPU(s) per rank on this node"
     )
     log.info(
         f"data {run.data_dir}: {len(run.train)} training, {len(run.val)} validation case(s), "
         f"classes {run.spec.class_names}, cache {run.cache}"
     )
+    log.info(run.plan.describe())
+    if rt.is_main:
+        run.plan.write(rt.out_dir / "plan.json")
     log.info(
         f"precision {rt.amp_dtype or torch.float32}, memory format {format_name(rt.memory_format)}; checkpoints in "
         f"{rt.out_dir / 'checkpoints'}, TensorBoard logs in {rt.out_dir / 'tensorboard'}, per-rank logs in "

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from data.msd import DatasetSpec
+from data.plan import Plan
+from data.prepare import RunData
 from unet3d.checkpoint import CheckpointError, load_weights
 from unet3d.model import UNet3D
 from unet3d.precision import apply_memory_format, grad_scaler
@@ -39,11 +40,6 @@ class PartialEpoch:
     seconds: float = 0.0
 
 
-def model_args(spec: DatasetSpec, features: Sequence[int]) -> dict[str, Any]:
-    """UNet3D's arguments for a dataset: the one place they are built (training, pre-flight, checkpoints)."""
-    return {"in_channels": spec.in_channels, "num_classes": spec.num_classes, "features": list(features)}
-
-
 @dataclass(kw_only=True)
 class TrainState:
     """Everything a checkpoint holds, `state_dict()` to write it and `load()` to continue from it.
@@ -57,6 +53,7 @@ class TrainState:
     schedule: ProgressSchedule
     scaler: torch.amp.GradScaler
     config: TrainConfig  # the resolved configuration
+    plan: Plan  # how the data was brought into one space, and the network planned for it
     model_args: dict[str, Any]  # UNet3D(**model_args)
     class_names: list[str]
     epoch: int = 0  # epochs completed
@@ -94,6 +91,7 @@ class TrainState:
             "epoch_partial": dataclasses.asdict(self.partial_epoch),  # the key of format 1
             "best_metric": self.best_metric,
             "config": dataclasses.asdict(self.config),
+            "plan": self.plan.to_dict(),
             "model_args": dict(self.model_args),
             "class_names": list(self.class_names),
             "world_size": world_size,
@@ -131,18 +129,20 @@ class TrainState:
         self.budget = TimeBudget.from_state(saved_budget) if saved_budget else None
 
 
-def build_state(rt: Runtime, spec: DatasetSpec) -> TrainState:
-    """A fresh TrainState for a dataset on this rank's device, the model laid out in the run's memory format."""
-    args = model_args(spec, rt.cfg.features)
+def build_state(rt: Runtime, run: RunData) -> TrainState:
+    """A fresh TrainState for the run's data and plan on this rank's device, laid out in its memory format."""
+    args = run.plan.model_args(run.spec.in_channels, run.spec.num_classes)
     torch.manual_seed(rt.cfg.seed)  # the same initial weights on every rank (DDP would broadcast them anyway)
     model = apply_memory_format(UNet3D(**args).to(rt.device), rt.memory_format)
     model.grad_checkpoint = rt.cfg.grad_checkpoint
-    return new_state(rt, model, args, spec.class_names)
+    return new_state(rt, model, run.plan, args, run.spec.class_names)
 
 
-def new_state(rt: Runtime, model: nn.Module, args: dict[str, Any], class_names: Sequence[str]) -> TrainState:
-    """A fresh TrainState around `model` (built from `args`): the optimizer with the kernels that are safe
-    for the run's precision, its schedule and the loss scaler."""
+def new_state(
+    rt: Runtime, model: nn.Module, plan: Plan, args: dict[str, Any], class_names: Sequence[str]
+) -> TrainState:
+    """A fresh TrainState around `model` (built from `args` for `plan`): the optimizer with the kernels that
+    are safe for the run's precision, its schedule and the loss scaler."""
     cfg = rt.cfg
     kernels = optimizer_kernels(rt.device, rt.amp_dtype)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, kernels)
@@ -152,6 +152,7 @@ def new_state(rt: Runtime, model: nn.Module, args: dict[str, Any], class_names: 
         schedule=build_schedule(optimizer, cfg.optimizer),
         scaler=grad_scaler(rt.device, rt.amp_dtype),
         config=cfg,
+        plan=plan,
         model_args=dict(args),
         class_names=list(class_names),
     )

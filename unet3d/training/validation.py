@@ -19,10 +19,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from data.geometry import to_native
 from data.patches import PreparedCase
 from unet3d.inference.metrics import confusion_counts, dice_from_counts
-from unet3d.inference.pictures import middle_planes
-from unet3d.inference.sliding_window import InferenceSettings, predict
+from unet3d.inference.pictures import Preview, middle_planes
+from unet3d.inference.sliding_window import InferenceSettings, predict_probabilities
 from unet3d.training import dist
 from unet3d.training.config import TrainConfig
 from unet3d.training.control import StepControl, StopReason
@@ -39,12 +40,12 @@ class ValResult:
     per_class: np.ndarray  # (K - 1,) mean Dice per foreground class over all ranks' cases
     mean_dice: float  # mean of per_class: the same definition as evaluate.py's mean_dice
     num_cases: int  # over all ranks
-    preview: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # middle planes of the first case, where kept
+    preview: Preview | None  # the first case's middle planes, where kept
 
 
 def validate(
     model: nn.Module,
-    cases: Sequence[tuple[np.ndarray, np.ndarray]],
+    cases: Sequence[PreparedCase],
     num_classes: int,
     settings: InferenceSettings,
     device: torch.device,
@@ -52,12 +53,16 @@ def validate(
 ) -> ValResult:
     """Per-class and mean Dice over every rank's validation cases. Every rank must call this.
 
+    Each case is predicted in the planned space and scored on its file's own grid, the way evaluate.py
+    scores it: the class probabilities resampled back, uncropped and reoriented (`data.geometry.to_native`),
+    then compared with the label as stored. A case without a geometry is scored in the space it is in.
+
     Args:
         model: the unwrapped model (not the DDP wrapper).
-        cases: this rank's (image (C, X, Y, Z), label (X, Y, Z)) pairs; may be empty.
+        cases: this rank's cases (planned image and label, native label, geometry); may be empty.
         settings: the sliding-window inference settings.
-        keep_preview: keep the middle planes of this rank's first case (`pictures.middle_planes`) for a
-            picture; only the rank that draws it should, so the others hold no copy of a volume.
+        keep_preview: keep the middle planes of this rank's first case (`pictures.middle_planes`, in the planned
+            space) for a picture; only the rank that draws it should, so the others hold no copy of a volume.
     """
     rounds = int(dist.all_reduce_max(torch.tensor([len(cases)], dtype=torch.float64, device=device)).item())
     totals = torch.zeros(num_classes + 1, dtype=torch.float64, device=device)  # Dice sums per class, cases
@@ -65,19 +70,28 @@ def validate(
     for i in range(rounds):
         mine = torch.zeros(num_classes + 1, dtype=torch.float64, device=device)
         if i < len(cases):
-            image, label = cases[i]
-            pred = predict(model, image, settings, device)
-            ref = torch.from_numpy(np.array(label)).to(device)
-            mine[:num_classes] = dice_from_counts(confusion_counts(pred, ref, num_classes))
-            mine[num_classes] = 1
+            case = cases[i]
+            probs = predict_probabilities(model, case.image, settings, device)
+            if case.geometry is not None:
+                pred, ref = torch.from_numpy(to_native(probs, case.geometry)), case.native_label
+            else:
+                pred, ref = probs.argmax(0), case.label
+            ref = torch.from_numpy(np.array(ref)).to(pred.device)
+            dice = dice_from_counts(confusion_counts(pred, ref, num_classes))
+            mine[:num_classes], mine[num_classes] = dice.to(device), 1
             if keep_preview and preview is None:
-                preview = middle_planes(image, label, pred)
+                preview = _preview(case, probs.argmax(0), float(dice[1:].mean()))
         totals += dist.all_reduce_sum(mine)  # every rank, every round: a round waits for one case at most
     n = int(totals[-1].item())
     if n == 0:
         raise ValueError("validation has no cases")
     per_class = (totals[1:num_classes] / n).cpu().numpy()
     return ValResult(per_class, float(per_class.mean()), n, preview)
+
+
+def _preview(case: PreparedCase, pred: torch.Tensor, dice: float) -> Preview:
+    spacing = case.geometry.planned_spacing[:2] if case.geometry is not None else (1.0, 1.0)
+    return Preview(*middle_planes(case.image, case.label, pred), spacing, f"{case.name}  Dice {dice:.3f}")
 
 
 def validation_due(cfg: TrainConfig, epochs_done: int, stopped: StopReason | None) -> bool:
@@ -94,8 +108,7 @@ def run_validation(
     """`validate` this rank's cases; with a time budget, the time it took (agreed across ranks) sizes the
     room kept for the next one."""
     began = time.perf_counter()
-    pairs = [(c.image, c.label) for c in cases]
-    val = validate(model, pairs, num_classes, rt.inference(), rt.device, keep_preview=rt.is_main)
+    val = validate(model, cases, num_classes, rt.inference(), rt.device, keep_preview=rt.is_main)
     if control.budget is not None:  # the reserve steers every rank's learning rate: it must be the same everywhere
         seconds = dist.all_reduce_sum(torch.tensor([time.perf_counter() - began], device=rt.device))
         control.budget.plan_reserve(seconds.item() / rt.world_size)

@@ -1,0 +1,257 @@
+"""Where voxels are in the world: canonical orientation, voxel spacing, cropping and resampling, and the
+record (`Geometry`) that takes a prediction back to the scanner's grid exactly.
+
+Orientation is changed by axis permutations and flips only (no interpolation), to RAS: along the first
+array axis the world position moves towards the patient's right (R), along the second towards anterior
+(A), along the third towards superior (S), whatever order and direction the scanner wrote. Resampling
+uses PyTorch's interpolation one channel or class at a time, so a large CT needs a few times its own
+memory, not one copy per class.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import nibabel as nib
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+AFFINE_ATOL_MM = 1e-3  # image and label affines may differ by rounding, not by geometry
+AFFINE_RTOL = 1e-4
+SHEAR_TOLERANCE = 1e-3  # |cosine| between two voxel axes above this is shear, not rounding
+ANISOTROPY = 3.0  # an axis this many times coarser than the finest is resampled on its own (nnU-Net)
+SLICES_PER_PASS = 16  # planes interpolated at once when an axis is resampled on its own
+
+
+def spacing_of(affine: np.ndarray) -> tuple[float, float, float]:
+    """Voxel size in millimetres along the three array axes: the lengths of the affine's columns."""
+    return tuple(float(v) for v in np.linalg.norm(np.asarray(affine)[:3, :3], axis=0))
+
+
+def affine_problems(affine: np.ndarray, shape: Sequence[int], path: object) -> list[str]:
+    """Everything that makes a volume's geometry unusable: a 2D image, non-finite or zero voxel sizes, a
+    singular or sheared affine. Oblique (rotated) acquisitions are fine."""
+    problems = []
+    if len(shape) < 3 or min(shape[:3]) < 2:
+        problems.append(f"{path}: spatial shape {tuple(shape[:3])} is not a 3D volume (2 voxels or more per axis)")
+    matrix = np.asarray(affine, dtype=np.float64)[:3, :3]
+    if not np.isfinite(affine).all():
+        return problems + [f"{path}: the affine holds NaN or infinite values"]
+    sizes = np.linalg.norm(matrix, axis=0)
+    if (sizes <= 1e-6).any():
+        return problems + [f"{path}: voxel size {tuple(np.round(sizes, 6))} mm has a zero axis"]
+    if abs(np.linalg.det(matrix)) < 1e-9 * np.prod(sizes):
+        return problems + [f"{path}: the affine is singular (its voxel axes are not independent)"]
+    unit = matrix / sizes
+    cosines = np.abs(unit.T @ unit - np.eye(3))
+    if cosines.max() > SHEAR_TOLERANCE:
+        problems.append(
+            f"{path}: the affine is sheared (voxel axes at {math.degrees(math.acos(1 - cosines.max())):.1f}"
+            " degrees from orthogonal); resample it to an orthogonal grid first"
+        )
+    return problems
+
+
+def same_grid(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two affines place their voxels at the same world positions (up to rounding)."""
+    return bool(np.allclose(a, b, atol=AFFINE_ATOL_MM, rtol=AFFINE_RTOL))
+
+
+def canonical_ornt(affine: np.ndarray) -> np.ndarray:
+    """The permutation and flips (nibabel's `ornt`, (3, 2)) that bring an array to RAS axis order."""
+    return nib.orientations.ornt_transform(
+        nib.orientations.io_orientation(affine), nib.orientations.axcodes2ornt("RAS")
+    )
+
+
+IDENTITY_ORNT = np.array([[0, 1], [1, 1], [2, 1]], dtype=np.float64)
+
+
+def reorient(volume: np.ndarray, ornt: np.ndarray) -> np.ndarray:
+    """Apply `ornt` (from `canonical_ornt`) to the last three axes of `volume` ((..., X, Y, Z)): a view."""
+    lead = volume.ndim - 3
+    for axis, flip in enumerate(ornt[:, 1]):
+        if flip == -1:
+            volume = np.flip(volume, lead + axis)
+    order = [lead + int(i) for i in np.argsort(ornt[:, 0])]
+    return volume.transpose(*range(lead), *order)
+
+
+def undo_reorient(volume: np.ndarray, ornt: np.ndarray) -> np.ndarray:
+    """The inverse of `reorient`: back to the file's own axis order and directions."""
+    return reorient(volume, nib.orientations.ornt_transform(IDENTITY_ORNT, ornt))
+
+
+def reoriented_spacing(spacing: Sequence[float], ornt: np.ndarray) -> tuple[float, float, float]:
+    """Voxel sizes after `reorient`: the same sizes, permuted."""
+    out = [0.0, 0.0, 0.0]
+    for axis, (target, _) in enumerate(ornt):
+        out[int(target)] = float(spacing[axis])
+    return tuple(out)
+
+
+def nonzero_box(image: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """The bounding box ((lo, hi) per spatial axis) of the voxels where any channel of `image` (C, X, Y, Z)
+    is non-zero (nnU-Net's crop); the whole volume when nothing is."""
+    mask = np.any(image != 0, axis=0)
+    if not mask.any():
+        return tuple((0, s) for s in mask.shape)
+    box = []
+    for axis in range(3):
+        hit = np.flatnonzero(np.any(mask, axis=tuple(a for a in range(3) if a != axis)))
+        box.append((int(hit[0]), int(hit[-1]) + 1))
+    return tuple(box)
+
+
+def resampled_shape(shape: Sequence[int], spacing: Sequence[float], target: Sequence[float]) -> tuple[int, int, int]:
+    """The voxel counts that cover the same extent at the target spacing (at least one per axis)."""
+    return tuple(max(1, int(round(n * s / t))) for n, s, t in zip(shape, spacing, target))
+
+
+def separate_axis(spacing: Sequence[float], target: Sequence[float]) -> int | None:
+    """The thick axis to resample on its own (nearest neighbour, in-plane linear), as nnU-Net does when the
+    source or the target spacing is anisotropic (coarsest axis over ANISOTROPY times the finest); else None."""
+    for spacings in (spacing, target):
+        if max(spacings) > ANISOTROPY * min(spacings):
+            return int(np.argmax(spacings))
+    return None
+
+
+def _resize(volume: torch.Tensor, shape: Sequence[int], axis: int | None) -> torch.Tensor:
+    """(N, X, Y, Z) float -> (N, *shape): linear, or with `axis` linear in-plane and nearest along it."""
+    shape = tuple(int(s) for s in shape)
+    if tuple(volume.shape[1:]) == shape:
+        return volume
+    if axis is None:
+        return F.interpolate(volume[None], size=shape, mode="trilinear", align_corners=False)[0]
+    moved = volume.movedim(axis + 1, 1)  # (N, A, P, Q): planes along the thick axis
+    n, a = moved.shape[:2]
+    plane = [s for i, s in enumerate(shape) if i != axis]
+    planes = torch.empty((n, a, *plane), dtype=volume.dtype, device=volume.device)
+    for i in range(0, a, SLICES_PER_PASS):  # a few planes at a time: no full-size copy of the input
+        chunk = moved[:, i : i + SLICES_PER_PASS]
+        flat = chunk.reshape(-1, 1, *chunk.shape[2:])
+        planes[:, i : i + SLICES_PER_PASS] = F.interpolate(
+            flat, size=plane, mode="bilinear", align_corners=False
+        ).reshape(n, -1, *plane)
+    index = ((torch.arange(shape[axis], dtype=torch.float64) + 0.5) * a / shape[axis] - 0.5).round().long()
+    return planes.index_select(1, index.clamp(0, a - 1).to(planes.device)).movedim(1, axis + 1)
+
+
+def resample_image(image: np.ndarray, shape: Sequence[int], axis: int | None) -> np.ndarray:
+    """(C, X, Y, Z) float32 -> (C, *shape) float32, one channel at a time."""
+    if tuple(image.shape[1:]) == tuple(shape):
+        return np.ascontiguousarray(image, dtype=np.float32)
+    out = np.empty((image.shape[0], *shape), np.float32)
+    for c in range(image.shape[0]):
+        channel = torch.from_numpy(np.ascontiguousarray(image[c], dtype=np.float32))[None]
+        out[c] = _resize(channel, shape, axis)[0].numpy()
+    return out
+
+
+def resample_label(label: np.ndarray, shape: Sequence[int], axis: int | None, num_classes: int) -> np.ndarray:
+    """(X, Y, Z) labels -> (*shape) uint8: each class's mask interpolated as a probability, the most likely
+    class kept, so no class is invented between two others (nnU-Net resamples segmentations this way)."""
+    if tuple(label.shape) == tuple(shape):
+        return np.ascontiguousarray(label, dtype=np.uint8)
+
+    def mask(k: int) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(label == k, dtype=np.float32))
+
+    return _argmax_resampled(mask, num_classes, shape, axis)
+
+
+def _argmax_resampled(channel, num_classes: int, shape: Sequence[int], axis: int | None) -> np.ndarray:
+    """argmax over classes of `channel(k)` resampled to `shape`, keeping one class's volume at a time."""
+    best = labels = None
+    for k in range(num_classes):
+        p = _resize(channel(k)[None].float(), shape, axis)[0]
+        if best is None:
+            best, labels = p.contiguous(), torch.zeros(p.shape, dtype=torch.uint8, device=p.device)
+        else:
+            better = p > best
+            labels[better] = k
+            torch.maximum(best, p, out=best)
+        del p
+    return labels.cpu().numpy()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Geometry:
+    """How a volume was brought into the planned space, and so how to take a prediction back.
+
+    native -> reorient (`ornt`) -> crop (`crop`, in canonical voxels) -> resample (`planned_shape`).
+    """
+
+    native_shape: tuple[int, int, int]  # the file's spatial shape
+    native_affine: tuple[tuple[float, ...], ...]  # the file's affine (4 x 4)
+    ornt: tuple[tuple[float, float], ...]  # nibabel ornt, native -> canonical (identity for plan "none")
+    crop: tuple[tuple[int, int], ...]  # (lo, hi) per canonical axis
+    canonical_spacing: tuple[float, float, float]  # voxel size after reorientation, before resampling
+    planned_shape: tuple[int, int, int]  # after resampling
+    separate_axis: int | None  # the thick axis resampled on its own, or None
+
+    @property
+    def canonical_shape(self) -> tuple[int, int, int]:
+        return tuple(self.native_shape[int(i)] for i in np.argsort(np.asarray(self.ornt)[:, 0]))
+
+    @property
+    def canonical_affine(self) -> np.ndarray:
+        """The affine of the reoriented (uncropped, not resampled) volume."""
+        ornt = np.asarray(self.ornt)
+        return np.asarray(self.native_affine) @ nib.orientations.inv_ornt_aff(ornt, self.native_shape)
+
+    @property
+    def planned_affine(self) -> np.ndarray:
+        """The affine of the planned-space volume: voxel centres where the resampling put them."""
+        scale = np.array(self.cropped_shape, float) / np.array(self.planned_shape, float)
+        to_cropped = np.eye(4)
+        to_cropped[:3, :3] = np.diag(scale)
+        to_cropped[:3, 3] = [lo + 0.5 * r - 0.5 for (lo, _), r in zip(self.crop, scale)]
+        return self.canonical_affine @ to_cropped
+
+    @property
+    def cropped_shape(self) -> tuple[int, int, int]:
+        return tuple(hi - lo for lo, hi in self.crop)
+
+    @property
+    def planned_spacing(self) -> tuple[float, float, float]:
+        """The voxel size in the planned space (the target spacing, up to rounding of the voxel counts)."""
+        return tuple(s * n / m for s, n, m in zip(self.canonical_spacing, self.cropped_shape, self.planned_shape))
+
+    def to_dict(self) -> dict:
+        return {
+            "native_shape": list(self.native_shape),
+            "native_affine": [list(row) for row in self.native_affine],
+            "ornt": [list(row) for row in self.ornt],
+            "crop": [list(b) for b in self.crop],
+            "canonical_spacing": list(self.canonical_spacing),
+            "planned_shape": list(self.planned_shape),
+            "separate_axis": self.separate_axis,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Geometry:
+        return cls(
+            native_shape=tuple(d["native_shape"]),
+            native_affine=tuple(tuple(r) for r in d["native_affine"]),
+            ornt=tuple(tuple(r) for r in d["ornt"]),
+            crop=tuple(tuple(b) for b in d["crop"]),
+            canonical_spacing=tuple(d["canonical_spacing"]),
+            planned_shape=tuple(d["planned_shape"]),
+            separate_axis=d["separate_axis"],
+        )
+
+
+def to_native(probs: torch.Tensor, geometry: Geometry) -> np.ndarray:
+    """Planned-space class probabilities (K, *planned_shape), on any device -> the label map (uint8) on the
+    file's own grid: probabilities resampled back to the cropped grid (not the labels: no blocky edges),
+    placed in the uncropped volume (background outside the box), reoriented back, then the argmax."""
+    num_classes = probs.shape[0]
+    cropped = _argmax_resampled(lambda k: probs[k], num_classes, geometry.cropped_shape, geometry.separate_axis)
+    full = np.zeros(geometry.canonical_shape, np.uint8)
+    full[tuple(slice(lo, hi) for lo, hi in geometry.crop)] = cropped
+    return np.ascontiguousarray(undo_reorient(full, np.asarray(geometry.ornt)))

@@ -1,0 +1,297 @@
+"""Geometry: orientation, spacing, cropping, resampling, the way back to the scanner's grid, and the plan's
+spacing rule, on real arrays and affines (phantoms of data.synthetic acquired several ways)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from data.geometry import (
+    affine_problems,
+    canonical_ornt,
+    nonzero_box,
+    reorient,
+    resample_label,
+    separate_axis,
+    to_native,
+    undo_reorient,
+)
+from data.plan import Fingerprint, Plan, PlanRequest, fingerprint_arrays, make_plan, target_spacing
+from data.preprocess import preprocess
+from data.synthetic import Acquisition, acquire, draw_phantom, evaluate_phantom, extent
+from unet3d.inference.sliding_window import InferenceSettings, predict_probabilities
+
+FOV = extent(48)
+RAS_1MM = Acquisition("RAS 1 mm", (0, 1, 2), (1, 1, 1), (1.0, 1.0, 1.0))
+LPS_3MM = Acquisition("LPS 0.8 x 0.8 x 3 mm", (0, 1, 2), (-1, -1, 1), (0.8, 0.8, 3.0))
+SAGITTAL = Acquisition("RIP 3.3 x 0.9 x 0.9 mm", (0, 2, 1), (1, -1, -1), (3.3, 0.9, 0.9))
+ZSCORE = ({"modality": "MRI", "scheme": "zscore"},)
+
+
+def phantom(index: int = 3):
+    return draw_phantom(np.random.default_rng([0, index]), FOV)
+
+
+def plan(spacing=(1.0, 1.0, 1.0), orientation="RAS", crop="nonzero") -> Plan:
+    return Plan(
+        orientation=orientation,
+        spacing=spacing,
+        spacing_rule="given",
+        crop=crop,
+        normalization=ZSCORE,
+        median_shape=(48, 48, 45),
+        median_spacing=(1.0, 1.0, 1.0),
+        patch_size=(48, 48, 48),
+        features=(4, 8),
+        kernels=((3, 3, 3), (3, 3, 3)),
+        strides=((1, 1, 1), (2, 2, 2)),
+    )
+
+
+def world(shape, affine) -> np.ndarray:
+    index = np.stack(np.meshgrid(*[np.arange(n) for n in shape], indexing="ij"), axis=-1)
+    return index @ affine[:3, :3].T + affine[:3, 3]
+
+
+def sample(volume: np.ndarray, affine: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """Nearest-neighbour values of `volume` (with `affine`) at world points; 0 outside it."""
+    index = np.rint((points - affine[:3, 3]) @ np.linalg.inv(affine[:3, :3]).T).astype(int)
+    inside = np.all((index >= 0) & (index < np.array(volume.shape)), axis=-1)
+    index = np.clip(index, 0, np.array(volume.shape) - 1)
+    return volume[index[..., 0], index[..., 1], index[..., 2]] * inside
+
+
+def dice(a: np.ndarray, b: np.ndarray) -> float:
+    return 2 * float((a & b).sum()) / max(float(a.sum() + b.sum()), 1.0)
+
+
+# --- orientation --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("acquisition", [RAS_1MM, LPS_3MM, SAGITTAL])
+def test_reorientation_keeps_every_voxel_where_it_is_in_the_world(acquisition):
+    image, label, affine = acquire(phantom(), acquisition, FOV)
+    ornt = canonical_ornt(affine)
+    canonical = reorient(label, ornt)
+    assert np.array_equal(undo_reorient(canonical, ornt), label), "undone exactly"
+    planned = preprocess(image[None], affine, plan(spacing=None, crop="none"), label, 3)
+    assert np.array_equal(planned.label, canonical)
+    ras = planned.geometry.canonical_affine
+    assert np.all(np.diag(ras[:3, :3]) > 0) and np.allclose(ras[:3, :3], np.diag(np.diag(ras[:3, :3])))
+    points = world(canonical.shape, ras)
+    np.testing.assert_array_equal(sample(label, affine, points), canonical)
+
+
+def test_every_axis_order_and_direction_comes_back():
+    volume = np.random.default_rng(0).normal(size=(2, 5, 6, 7))
+    for order in itertools.permutations(range(3)):
+        for signs in itertools.product((1, -1), repeat=3):
+            affine = np.eye(4)
+            affine[:3, :3] = 0
+            for a, (w, s) in enumerate(zip(order, signs)):
+                affine[w, a] = s * (a + 1)
+            ornt = canonical_ornt(affine)
+            canonical = reorient(volume, ornt)
+            assert np.array_equal(undo_reorient(canonical, ornt), volume)
+            assert canonical.shape[0] == 2 and sorted(canonical.shape[1:]) == [5, 6, 7]
+
+
+# --- resampling ---------------------------------------------------------------------------------------
+
+
+def test_resampled_labels_never_invent_a_class():
+    label = np.zeros((12, 12, 4), np.uint8)
+    label[2:6] = 2  # class 2 next to background: linear interpolation of the values would make class 1
+    label[6:9] = 1
+    out = resample_label(label, (30, 30, 12), separate_axis((1, 1, 3), (0.4, 0.4, 1)), 3)
+    assert set(np.unique(out)) == {0, 1, 2}
+    assert not np.any((out == 1)[:14]), "no class 1 between background and class 2"
+    for k in (1, 2):
+        assert abs((out == k).sum() / out.size - (label == k).sum() / label.size) < 0.02, "volumes are kept"
+
+
+@pytest.mark.parametrize("acquisition", [RAS_1MM, LPS_3MM, SAGITTAL])
+def test_resampling_puts_the_anatomy_where_the_planned_affine_says(acquisition):
+    image, label, affine = acquire(phantom(), acquisition, FOV)
+    planned = preprocess(image[None], affine, plan(), label, 3)
+    geometry = planned.geometry
+    thick = max(acquisition.spacing) > 1.5
+    assert geometry.separate_axis == (int(np.argmax(geometry.canonical_spacing)) if thick else None)
+    points = world(geometry.planned_shape, geometry.planned_affine)
+    truth = evaluate_phantom(phantom(), points, FOV)[1]
+    for k, least in ((1, 0.88), (2, 0.8)):
+        mine, true = planned.label == k, truth == k
+        assert dice(mine, true) > (0.999 if not thick else least), f"class {k}"
+        offset = np.abs(points[mine].mean(0) - points[true].mean(0))
+        assert offset.max() < 0.5, f"class {k} is {offset} mm from where it is in the world"
+
+
+def test_crop_to_the_nonzero_box_and_back():
+    image = np.zeros((1, 20, 18, 16), np.float32)
+    image[0, 3:15, 4:10, 2:14] = np.random.default_rng(0).uniform(1, 2, (12, 6, 12))
+    label = (image[0] > 1.5).astype(np.uint8)
+    assert nonzero_box(image) == ((3, 15), (4, 10), (2, 14))
+    planned = preprocess(image, np.diag([1.0, 1.0, 1.0, 1.0]), plan(spacing=(1.0, 1.0, 1.0)), label, 2)
+    assert planned.image.shape == (1, 12, 6, 12) and planned.geometry.crop == ((3, 15), (4, 10), (2, 14))
+    onehot = torch.from_numpy(np.stack([planned.label == 0, planned.label == 1]).astype(np.float32))
+    back = to_native(onehot, planned.geometry)
+    assert back.shape == label.shape and np.array_equal(back, label), "uncropped exactly, background outside"
+
+
+@pytest.mark.parametrize("acquisition", [LPS_3MM, SAGITTAL])
+def test_probabilities_go_back_to_the_files_own_grid(acquisition):
+    image, label, affine = acquire(phantom(), acquisition, FOV)
+    planned = preprocess(image[None], affine, plan(), label, 3)
+    onehot = torch.from_numpy(np.stack([planned.label == k for k in range(3)]).astype(np.float32))
+    back = to_native(onehot, planned.geometry)
+    assert back.shape == label.shape and back.dtype == np.uint8
+    for k in (1, 2):
+        assert dice(back == k, label == k) > 0.9, f"class {k} after going to 1 mm and back"
+
+
+# --- a prediction agrees with itself in world coordinates, however the scan is stored -------------------
+
+
+class Handmade(nn.Module):
+    """A fixed 'network' with spatial context and a sense of direction: bright structures, smoothed over
+    5 x 5 x 5 voxels, pulled towards +x along the first array axis. Stored differently, the same anatomy
+    gives the same answer only if every case is brought to one orientation and spacing first."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = F.avg_pool3d(x, 5, stride=1, padding=2, count_include_pad=False)
+        dx = torch.zeros_like(s)
+        dx[:, :, 1:-1] = (s[:, :, 2:] - s[:, :, :-2]) / 2
+        foreground = (s - 0.8) * 8 + 24 * dx
+        return torch.cat([torch.zeros_like(foreground), foreground], dim=1)
+
+
+def predict_native(image, affine, the_plan: Plan) -> np.ndarray:
+    planned = preprocess(image[None], affine, the_plan)
+    settings = InferenceSettings(window=planned.image.shape[1:])
+    probs = predict_probabilities(Handmade(), planned.image, settings, torch.device("cpu"))
+    return to_native(probs, planned.geometry)
+
+
+def agreement(the_plan: Plan) -> float:
+    """Dice between the predictions for the RAS 1 mm and the LPS 3 mm acquisition, on the LPS grid."""
+    a_image, _, a_affine = acquire(phantom(), RAS_1MM, FOV)
+    b_image, _, b_affine = acquire(phantom(), LPS_3MM, FOV)
+    a, b = predict_native(a_image, a_affine, the_plan), predict_native(b_image, b_affine, the_plan)
+    assert a.shape == a_image.shape and b.shape == b_image.shape, "each prediction on its input's grid"
+    return dice(sample(a, a_affine, world(b.shape, b_affine)) > 0, b > 0)
+
+
+def test_ras_1mm_and_lps_3mm_predictions_agree_in_world_coordinates():
+    assert agreement(plan()) > 0.95
+    as_stored = agreement(plan(spacing=None, orientation="none", crop="none"))
+    assert as_stored < 0.9, f"without the geometry the two disagree ({as_stored:.3f}): the test can fail"
+
+
+# --- bad geometry ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("affine", "shape", "message"),
+    [
+        (np.diag([1.0, 0.0, 1.0, 1.0]), (8, 8, 8), "has a zero axis"),
+        (np.diag([1.0, np.nan, 1.0, 1.0]), (8, 8, 8), "NaN or infinite"),
+        (np.array([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1.0]]), (8, 8, 8), "singular"),
+        (np.array([[1, 0.3, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1.0]]), (8, 8, 8), "sheared"),
+        (np.eye(4), (64, 64, 1), "is not a 3D volume"),
+    ],
+)
+def test_bad_geometry_is_named(affine, shape, message):
+    problems = affine_problems(affine, shape, "case.nii.gz")
+    assert problems and all(p.startswith("case.nii.gz: ") for p in problems)
+    assert any(message in p for p in problems), problems
+
+
+def test_oblique_scans_are_fine():
+    angle = np.radians(20)
+    rotation = np.array([[np.cos(angle), -np.sin(angle), 0], [np.sin(angle), np.cos(angle), 0], [0, 0, 1]])
+    affine = np.eye(4)
+    affine[:3, :3] = rotation @ np.diag([0.8, 0.8, 3.0])
+    assert affine_problems(affine, (8, 8, 8), "x") == []
+
+
+# --- the plan --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spacings", "shapes", "expected", "rule"),
+    [
+        ([(1, 1, 1)] * 5, [(100, 100, 100)] * 5, (1, 1, 1), "median"),
+        ([(1, 1, 1.5), (1, 1, 2), (0.9, 0.9, 2.5)], [(200, 200, 100)] * 3, (1, 1, 2), "median"),
+        # strongly anisotropic in spacing and voxels: the thick axis takes its 10th percentile
+        (
+            [(0.8, 0.8, 5), (0.8, 0.8, 5), (0.7, 0.7, 1.5), (0.8, 0.8, 5), (0.75, 0.75, 2.5)],
+            [(512, 512, 60)] * 5,
+            (0.8, 0.8, float(np.percentile([5, 5, 1.5, 5, 2.5], 10))),
+            "10th percentile",
+        ),
+        # anisotropic spacing but not fewer voxels along the thick axis: the median stays
+        ([(0.8, 0.8, 5)] * 3, [(100, 100, 120)] * 3, (0.8, 0.8, 5), "median"),
+        # the 10th percentile is kept above the other axes' spacing
+        ([(1, 1, 5)] * 7 + [(1, 1, 0.5)] * 3, [(400, 400, 30)] * 10, (1, 1, 1 + 1e-5), "10th percentile"),
+    ],
+)
+def test_target_spacing_follows_nnunets_rule(spacings, shapes, expected, rule):
+    spacing, how = target_spacing(spacings, shapes)
+    np.testing.assert_allclose(spacing, expected, rtol=1e-6)
+    assert rule in how
+
+
+def test_a_plan_for_thick_slices_pools_in_plane_first_and_has_dataset_ct_statistics():
+    rng = np.random.default_rng(0)
+    cases = []
+    for i in range(4):
+        label = np.zeros((60, 60, 12), np.uint8)
+        label[20:40, 20:40, 4:8] = 1
+        image = rng.normal(-500, 50, label.shape).astype(np.float32) + 540.0 * label  # ~40 HU foreground
+        affine = np.diag([0.8, 0.8, 5.0, 1.0])
+        cases.append(fingerprint_arrays(f"c{i}", image[None], affine, label, ["CT"], "RAS", "nonzero"))
+    request = PlanRequest(patch_voxels=48 * 48 * 32, widths=(8, 64), max_levels=5)
+    made = make_plan(cases, ["CT"], request)
+    assert made.spacing == (0.8, 0.8, 5.0) and made.strides[1] == (2, 2, 1) and made.kernels[0] == (3, 3, 1)
+    ct = made.normalization[0]
+    assert ct["scheme"] == "ct" and 20 < ct["mean"] < 60 and ct["clip"][0] < ct["mean"] < ct["clip"][1]
+    assert Plan.from_dict(made.to_dict()) == made and len(made.digest()) == 10
+    fingerprint = Fingerprint.from_dict(cases[0].to_dict())
+    assert fingerprint == cases[0]
+
+
+def test_a_resumed_run_keeps_its_plan_and_says_where_the_data_no_longer_fits(tiny_dataset, tmp_path, caplog):
+    import logging
+    from dataclasses import replace
+
+    from data.prepare import DataConfig, inspect, resolve_data
+    from unet3d.training.loading import choose_plan
+
+    data = DataConfig(
+        data_dir=str(tiny_dataset), synthetic_dir="", synthetic_cases=0, synthetic_size=0,
+        synthetic_geometry="uniform", cache_dir=str(tmp_path / "cache"), val_fraction=0.34, seed=0,
+    )  # fmt: skip
+    run = resolve_data(data, lambda make: make())
+    request = PlanRequest(patch_voxels=16**3, widths=(4, 16), max_levels=3)
+    assert inspect(run, request) == []
+    fresh = choose_plan(run, request, None)
+    assert fresh.spacing == (1.0, 1.0, 1.5) and fresh.num_cases == 6
+    saved = replace(fresh, spacing=(1.0, 1.0, 1.0), num_cases=5)  # as if planned on other data
+    logger = logging.getLogger("unet3d")
+    logger.propagate = True
+    with caplog.at_level(logging.WARNING, logger="unet3d"):
+        kept = choose_plan(run, request, {"plan": saved.to_dict()})
+    assert kept == saved, "the checkpoint's plan, not a new one"
+    assert (
+        "the data no longer fits the checkpoint's plan" in caplog.text
+        and "spacing planned [1.0, 1.0, 1.0]" in caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="unet3d"):
+        old = choose_plan(run, request, {"config": {"patch_size": (16, 16, 16), "features": (4, 8)}})
+    assert old.orientation == "none" and old.spacing is None and "from before plans" in caplog.text
