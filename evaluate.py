@@ -1,18 +1,23 @@
-"""Evaluate a checkpoint on one device: per-case metrics, predictions as NIfTI, a summary and an overview.
+"""Evaluate checkpoints on a dataset split, or segment a folder of new scans: predictions on each input's own
+grid, per-case metrics where references exist, a summary and an overview.
 
     python evaluate.py --checkpoint runs/default/checkpoints/best.pt --split val --out-dir runs/default/eval
+    python evaluate.py --checkpoint runs/f*/checkpoints/best.pt --split cv --out-dir runs/cv   # folds
+    python evaluate.py --checkpoint runs/f*/checkpoints/best.pt --images scans/ --out-dir seg/  # ensemble
 
 Reads checkpoints written by train_ddp.py and bare state dicts (with or without `module.` / `_orig_mod.`
-prefixes). `--gpu 5` masks the process to physical GPU 5 before CUDA initialises and then works on cuda:0.
+prefixes). `--gpu 5` masks the process to physical GPU 5 before CUDA initialises and then works on cuda:0;
+`--gpu 5,6,7` shards the cases over three processes, one per GPU, each masked the same way.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import math
+import os
+import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,60 +26,58 @@ import nibabel as nib
 import numpy as np
 from tqdm import tqdm
 
-from data.geometry import to_native
-from data.msd import Case, DatasetSpec, load_dataset_json, split_cases
-from data.nifti import load_image, load_label, spacing
-from data.plan import Plan, legacy_plan
-from data.preprocess import preprocess
-from unet3d.checkpoint import load_model
+from data.msd import load_dataset_json, run_split
+from data.nifti import load_label, spacing
+from unet3d.inference import postprocess
+from unet3d.inference.cases import InputCase, folder_cases, load_case_image
 from unet3d.inference.devices import choose_device
 from unet3d.inference.metrics import case_metrics
-from unet3d.inference.pictures import Preview, middle_planes, overlay, write_overview
-from unet3d.inference.sliding_window import InferenceSettings, predict_probabilities
-from unet3d.model import fit_patch
-from unet3d.precision import (
-    AMP_CHOICES,
-    MEMORY_FORMAT_CHOICES,
-    apply_memory_format,
-    format_name,
-    resolve_amp,
-    resolve_memory_format,
+from unet3d.inference.outputs import (
+    print_table,
+    save_prediction,
+    save_probabilities,
+    summarise,
+    write_json,
+    write_metrics,
 )
-
-METRICS = ("dice", "iou", "hd95_mm", "pred_volume_ml", "ref_volume_ml")
+from unet3d.inference.pictures import Preview, middle_planes, overlay, write_overview
+from unet3d.inference.predictor import Options, Predictor, check_members, load_members, member_plan
+from unet3d.precision import AMP_CHOICES, MEMORY_FORMAT_CHOICES, format_name, resolve_amp, resolve_memory_format
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="train_ddp.py checkpoint or a bare state dict")
+    p.add_argument(
+        "--checkpoint", required=True, nargs="+", metavar="PATH",
+        help="train_ddp.py checkpoint(s) or bare state dicts; several: an ensemble (or the folds, with --split cv)",
+    )  # fmt: skip
     p.add_argument("--data-dir", help="dataset in the MSD layout (default: the checkpoint's training data)")
     p.add_argument(
         "--split",
-        choices=("val", "test", "train"),
+        choices=("val", "test", "train", "cv"),
         default="val",
-        help="val/train: the training run's split of the training list; test: imagesTs/ (default: val)",
+        help="val/train: the training run's split of the training list; test: imagesTs/; cv: each fold's "
+        "checkpoint predicts the cases it held out, scored together (default: val)",
     )
+    p.add_argument("--images", metavar="DIR", help="segment every NIfTI file in DIR (no labels, no dataset.json)")
     p.add_argument("--out-dir", help="output folder (default: eval_SPLIT beside the checkpoints folder)")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--gpu", type=int, help="physical GPU id as nvidia-smi numbers it; used as cuda:0")
+    where.add_argument("--gpu", help="physical GPU id(s) as nvidia-smi numbers them, e.g. 5 or 5,6,7 (sharded)")
     where.add_argument("--device", help="cpu or cuda:N (default: the first visible GPU, else the CPU)")
+    p.add_argument("--workers", type=int, default=1, help="with --device cpu: shard the cases over N processes")
     p.add_argument("--window", type=int, nargs="+", metavar="N", help="sliding window (default: the training patch)")
     p.add_argument("--overlap", type=float, default=0.5, help="sliding-window overlap (default: 0.5)")
     p.add_argument("--sw-batch-size", type=int, help="windows per forward pass (default: the training batch size)")
+    p.add_argument("--amp", choices=AMP_CHOICES, default="auto", help="mixed precision, as in training (default: auto)")
     p.add_argument(
-        "--amp",
-        choices=AMP_CHOICES,
-        default="auto",
-        help="mixed precision, as in training (default: auto)",
-    )
-    p.add_argument(
-        "--memory-format",
-        choices=MEMORY_FORMAT_CHOICES,
-        default="auto",
+        "--memory-format", choices=MEMORY_FORMAT_CHOICES, default="auto",
         help="layout of the activations, as in training (default: auto)",
-    )
+    )  # fmt: skip
     p.add_argument("--tta", action="store_true", help="average the softmax over mirroring on the three axes")
+    p.add_argument("--save-probabilities", action="store_true", help="also write CASE.npz: float16 probabilities")
+    p.add_argument("--postprocess", metavar="FILE", help="apply a post-processing file (written by --split cv)")
     p.add_argument("--overview-cases", type=int, default=4, help="cases drawn in overview.png (default: 4)")
+    p.add_argument("--shard", help=argparse.SUPPRESS)  # I/N: this process's share, started by the sharding parent
     bare = p.add_argument_group("for bare state dicts, which carry no configuration")
     bare.add_argument("--in-channels", type=int, help="input channels (default: inferred from the weights)")
     bare.add_argument("--num-classes", type=int, help="classes with background (default: inferred)")
@@ -84,181 +87,256 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def select_cases(data_dir: str | Path, split: str, val_fraction: float, seed: int) -> tuple[list[Case], Any]:
-    """The cases of `split` and the dataset's description; val/train rebuild the training run's split."""
-    spec = load_dataset_json(data_dir)
-    if split == "test":
-        if not spec.test:
-            raise ValueError(f"{spec.root / 'dataset.json'} lists no test images")
-        return list(spec.test), spec
-    train, val = split_cases(spec.training, val_fraction, seed)
-    return (val if split == "val" else train), spec
-
-
-def save_prediction(pred: np.ndarray, like: nib.Nifti1Image, path: Path) -> None:
-    """uint8 label map with the input image's affine and header, so it overlays in ITK-SNAP or Slicer."""
-    header = like.header.copy()
-    header.set_data_dtype(np.uint8)
-    out = nib.Nifti1Image(pred.astype(np.uint8), like.affine, header)
-    out.header.set_slope_inter(1, 0)
-    out.header["cal_min"], out.header["cal_max"] = 0, int(pred.max())
-    nib.save(out, path)
-
-
-def summarise(rows: list[dict[str, Any]], class_names: Sequence[str]) -> dict[str, Any]:
-    """Per-class mean and std of every metric over cases, and mean_dice over foreground classes.
-
-    An undefined HD95 (exactly one of prediction and reference empty) is left out of its mean and counted.
-    """
-    classes = {}
-    for k, name in enumerate(class_names[1:], start=1):
-        mine = [r for r in rows if r["class"] == k]
-        stats: dict[str, Any] = {}
-        for metric in METRICS:
-            values = np.array([r[metric] for r in mine], dtype=np.float64)
-            defined = values[~np.isnan(values)]
-            stats[metric] = {
-                "mean": float(defined.mean()) if len(defined) else None,
-                "std": float(defined.std()) if len(defined) else None,
-            }
-        stats["hd95_undefined"] = int(sum(math.isnan(r["hd95_mm"]) for r in mine))
-        classes[name] = stats
-    dice = [c["dice"]["mean"] for c in classes.values() if c["dice"]["mean"] is not None]
-    return {"mean_dice": float(np.mean(dice)) if dice else None, "classes": classes}
-
-
-def print_table(summary: dict[str, Any], num_cases: int) -> None:
-    def cell(stat: dict[str, Any]) -> str:
-        return "n/a" if stat["mean"] is None else f"{stat['mean']:.4f} ± {stat['std']:.4f}"
-
-    print(f"\n{'class':<16}{'Dice':>20}{'IoU':>20}{'HD95 (mm)':>20}{'HD95 undef.':>13}")
-    for name, stats in summary["classes"].items():
-        print(
-            f"{name:<16}{cell(stats['dice']):>20}{cell(stats['iou']):>20}{cell(stats['hd95_mm']):>20}"
-            f"{stats['hd95_undefined']:>13}"
-        )
-    print(f"{'mean Dice':<16}{summary['mean_dice']:>20.4f}   over {num_cases} case(s)")
-
-
-def _plain(value: Any) -> Any:
-    """JSON-safe: NaN -> None, tuples -> lists."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
-        return evaluate(args)
+        gpus = [int(g) for g in args.gpu.split(",")] if args.gpu else []
+        if len(set(gpus)) != len(gpus) or min(gpus, default=0) < 0:
+            raise ValueError(f"--gpu {args.gpu}: give distinct physical GPU ids, e.g. 5 or 5,6,7")
+        if args.workers < 1 or (args.workers > 1 and (gpus or (args.device or "cpu") != "cpu")):
+            raise ValueError(f"--workers {args.workers}: N >= 1, and more than one only with --device cpu")
+        if len(gpus) > 1 or args.workers > 1:
+            return run_shards(argv, args, gpus)
+        return evaluate(args, gpus[0] if gpus else None)
     except (ValueError, FileNotFoundError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2
 
 
-def evaluation_plan(checkpoint: dict[str, Any], spec: DatasetSpec, source: str) -> Plan:
-    """The plan the checkpoint was trained with; checkpoints from before plans, and bare state dicts, use
-    their cases as stored (plan "none"), as they were trained."""
-    if "plan" in checkpoint:
-        return Plan.from_dict(checkpoint["plan"])
-    cfg = checkpoint.get("config") or {}
-    what = "is from before plans" if cfg else "is a bare state dict"
-    print(f"note: {source} {what}: cases are used as stored (plan none: no reorientation, resampling or crop)")
-    return legacy_plan(spec.modalities, cfg.get("patch_size", (128, 128, 128)), cfg.get("features", (1, 1)))
+def output_dir(args: argparse.Namespace) -> Path:
+    if args.out_dir:
+        return Path(args.out_dir)
+    name = "predictions" if args.images else f"eval_{args.split}"
+    return Path(args.checkpoint[0]).resolve().parent.parent / name
 
 
-def evaluate(args: argparse.Namespace) -> int:
-    device = choose_device(args.gpu, args.device)  # masks --gpu before anything touches CUDA
-    overrides = {"in_channels": args.in_channels, "num_classes": args.num_classes, "features": args.features}
-    model, checkpoint = load_model(args.checkpoint, device, overrides)
-    cfg = checkpoint.get("config")
+def select(args: argparse.Namespace, members) -> tuple[list[InputCase], dict[str, Any], Any]:
+    """(the cases, the member(s) for each case by name, the dataset spec or None)."""
+    if args.images:
+        return folder_cases(args.images), {}, None
+    cfg = members[0].config
     data_dir = args.data_dir or (cfg or {}).get("data_dir")
     if data_dir is None:
-        raise ValueError(f"{args.checkpoint} carries no configuration: give --data-dir")
-    val_fraction = cfg["val_fraction"] if cfg else args.val_fraction
-    seed = cfg["seed"] if cfg else args.seed
-    cases, spec = select_cases(data_dir, args.split, val_fraction, seed)
-    class_names = checkpoint.get("class_names") or spec.class_names
-    if len(class_names) != model.num_classes:
-        raise ValueError(f"the model predicts {model.num_classes} classes but {data_dir} has {class_names}")
-    plan = evaluation_plan(checkpoint, spec, args.checkpoint)
-    divisor = model.size_divisor
-    window = None  # None: fitted to each case
-    if args.window:
-        window = tuple(args.window * 3 if len(args.window) == 1 else args.window)
-    elif cfg:
-        window = tuple(cfg["patch_size"])
-    sw_batch = args.sw_batch_size or (cfg["batch_size"] if cfg else 2)
+        raise ValueError(f"{members[0].source} carries no configuration: give --data-dir")
+    spec = load_dataset_json(data_dir)
+    if args.split == "test":
+        if not spec.test:
+            raise ValueError(f"{spec.root / 'dataset.json'} lists no test images")
+        return [InputCase(c.name, (c.image,), c.label) for c in spec.test], {}, spec
+    owner: dict[str, Any] = {}
+    chosen = []
+    for member in members if args.split == "cv" else members[:1]:
+        train, val = split_of(member, spec, args)
+        for case in val if args.split in ("val", "cv") else train:
+            if case.name in owner:
+                raise ValueError(f"{case.name} is held out by {owner[case.name].source} and {member.source}")
+            owner[case.name] = member
+            chosen.append(InputCase(case.name, (case.image,), case.label))
+    if args.split != "cv":
+        owner = {}
+    return sorted(chosen, key=lambda c: c.name), owner, spec
+
+
+def split_of(member, spec, args):
+    """(training, validation) cases of a member's run: the names its checkpoint records, else rebuilt."""
+    cfg = member.config or {}
+    if "split" in member.checkpoint:  # the names the run trained on
+        by_name = {c.name: c for c in spec.training}
+        missing = [n for part in member.checkpoint["split"].values() for n in part if n not in by_name]
+        if missing:
+            raise ValueError(f"{member.source} was trained on cases {missing[:5]} that {spec.root} lacks")
+        return [[by_name[n] for n in member.checkpoint["split"][k]] for k in ("train", "val")]
+    fraction, seed = cfg.get("val_fraction", args.val_fraction), cfg.get("seed", args.seed)
+    return run_split(spec.training, fraction, seed, cfg.get("fold"), cfg.get("folds", 5))
+
+
+def evaluate(args: argparse.Namespace, gpu: int | None) -> int:
+    device = choose_device(gpu, args.device)  # masks --gpu before anything touches CUDA
     amp_dtype = resolve_amp(args.amp, device)
     memory_format = resolve_memory_format(args.memory_format, device, amp_dtype)
-    apply_memory_format(model, memory_format)
-    out = Path(args.out_dir) if args.out_dir else Path(args.checkpoint).resolve().parent.parent / f"eval_{args.split}"
-    (out / "predictions").mkdir(parents=True, exist_ok=True)
+    window = tuple(args.window * 3 if args.window and len(args.window) == 1 else args.window or ()) or None
+    options = Options(
+        overlap=args.overlap, sw_batch_size=args.sw_batch_size, amp_dtype=amp_dtype, memory_format=memory_format,
+        tta=args.tta, window=window,
+    )  # fmt: skip
+    overrides = {"in_channels": args.in_channels, "num_classes": args.num_classes, "features": args.features}
+    members = load_members(args.checkpoint, device, overrides, options)
+    if args.split == "cv" and not args.images and len(members) < 2:
+        raise ValueError("--split cv needs the checkpoints of two or more folds")
+    names = [m.checkpoint.get("class_names") for m in members]
+    cases, owner, spec = select(args, members)
+    class_names = names[0] or (spec.class_names if spec else [f"class{k}" for k in range(members[0].model.num_classes)])
+    names = [n or class_names for n in names]
+    if len(class_names) != members[0].model.num_classes:
+        raise ValueError(f"the model predicts {members[0].model.num_classes} classes but the data has {class_names}")
+    plans = [member_plan(m, spec or _spec_for(m, class_names), print) for m in members]
+    check_members(members, plans, names)
+    rules = postprocess.read(args.postprocess, class_names, _raise) if args.postprocess else {}
+    predictor = Predictor(members, plans[0], class_names, options, device, rules)
+    out = output_dir(args)
+    shard, shards = (int(v) for v in args.shard.split("/")) if args.shard else (0, 1)
+    result = predict_cases(args, predictor, cases[shard::shards], owner, out, first=shard == 0)
+    info = {
+        "checkpoint": str(Path(args.checkpoint[0]).resolve()),  # the first (or only) one
+        "checkpoints": [str(Path(c).resolve()) for c in args.checkpoint],
+        "inference": {
+            "overlap": args.overlap, "amp": str(amp_dtype), "memory_format": format_name(memory_format),
+            "tta": args.tta, "device": str(device), "ensemble": len(members) if args.split != "cv" else 1,
+            "window": [m.window for m in members], "postprocess": rules,
+        },
+        "plan": plans[0].to_dict(), "config": members[0].config, "class_names": class_names,
+        "split": "images" if args.images else args.split, "data_dir": str(spec.root) if spec else args.images,
+    }  # fmt: skip
+    if args.shard:  # the parent merges the shards' results
+        write_json({**info, **result}, out / "shards" / f"{shard}.json")
+        return 0
+    return finish(args, {**info, **result}, [])
 
-    rows: list[dict[str, Any]] = []
-    overview = []
-    scored = 0
-    for case in tqdm(cases, desc=f"evaluate {args.split}", unit="case"):
-        image, img = load_image(case.image)
-        ref = load_label(case.label)[0] if case.label is not None else None
-        planned = preprocess(image, img.affine, plan, ref, len(class_names))  # the label for the picture
-        case_window = window or fit_patch((128, 128, 128), planned.image.shape[1:], divisor)
-        if any(w % d for w, d in zip(case_window, divisor)):
-            raise ValueError(f"--window {case_window}: each size must be divisible by {divisor}")
-        settings = InferenceSettings(
-            window=case_window, overlap=args.overlap, sw_batch_size=sw_batch, amp_dtype=amp_dtype, tta=args.tta
-        )
-        probs = predict_probabilities(model, planned.image, settings, device)
-        pred = to_native(probs, planned.geometry)  # the file's own grid: its shape, orientation and affine
-        save_prediction(pred, img, out / "predictions" / f"{case.name}.nii.gz")
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+def _spec_for(member, class_names):
+    """A stand-in dataset description for a folder of scans: the modalities the model was planned for."""
+    from data.msd import DatasetSpec
+
+    plan = member.checkpoint.get("plan")
+    modalities = [n["modality"] for n in plan["normalization"]] if plan else ["MRI"] * member.model.in_channels
+    return DatasetSpec(Path("."), dict(enumerate(class_names)), dict(enumerate(modalities)), (), ())
+
+
+def predict_cases(args, predictor: Predictor, cases, owner, out: Path, first: bool) -> dict[str, Any]:
+    """Predict, save and score this process's cases; a case that fails is reported and skipped."""
+    folder = out if args.images else out / "predictions"
+    folder.mkdir(parents=True, exist_ok=True)
+    rows, errors, done, skipped, overview = [], [], [], [], []
+    for case in tqdm(cases, desc="segment" if args.images else f"evaluate {args.split}", unit="case"):
+        target = folder / f"{case.name}.nii.gz"
+        if args.images and target.exists():
+            skipped.append(case.name)  # written by an earlier run (writes are atomic: it is complete)
+            continue
+        began = time.perf_counter()
+        try:
+            image, nii = load_case_image(case, predictor.in_channels)
+            ref = load_label(case.label)[0] if case.label is not None else None
+            members = [owner[case.name]] if owner else None
+            pred, planned, probs, native = predictor.predict(image, nii.affine, ref, members, args.save_probabilities)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            errors.append(f"{case.name}: {e}")
+            tqdm.write(f"error: {case.name}: {e}", file=sys.stderr)
+            continue
+        save_prediction(pred, nii, target)
+        if native is not None:
+            save_probabilities(native, predictor.class_names, folder / f"{case.name}.npz")
         caption = case.name
         if ref is not None:
             if ref.shape != pred.shape:
                 raise ValueError(f"{case.label}: shape {ref.shape} differs from its image's {pred.shape}")
-            metrics = case_metrics(pred, ref, len(class_names), spacing(img))
+            metrics = case_metrics(pred, ref, len(predictor.class_names), spacing(nii))
             for k, row in enumerate(metrics, start=1):
-                rows.append({"case": case.name, "class": k, "class_name": class_names[k], **row})
+                rows.append({"case": case.name, "class": k, "class_name": predictor.class_names[k], **row})
             caption += f"  Dice {np.mean([r['dice'] for r in metrics]):.3f}"
-            scored += 1
-        if len(overview) < args.overview_cases:
+        if first and len(overview) < args.overview_cases:
             planes = middle_planes(planned.image, planned.label, probs.argmax(0))
             overview.append(overlay(Preview(*planes, planned.geometry.planned_spacing[:2], caption)))
+        seconds = time.perf_counter() - began
+        done.append({"case": case.name, "seconds": seconds})
+        tqdm.write(f"{case.name}: {tuple(pred.shape)} in {seconds:.1f} s -> {target}")
+    if overview:
+        write_overview(overview, out / "overview.png", predictor.class_names)
+    owners = {case.name: owner[case.name].source for case in cases if case.name in owner}
+    return {"rows": rows, "errors": errors, "done": done, "skipped": skipped, "owners": owners}
 
-    with open(out / "metrics.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["case", "class", "class_name", *METRICS])
-        writer.writeheader()
-        writer.writerows(rows)
-    write_overview(overview, out / "overview.png", class_names)
-    summary = {
-        **(summarise(rows, class_names) if scored else {"mean_dice": None, "classes": {}}),
-        "num_cases": len(cases),
-        "num_scored": scored,
-        "split": args.split,
-        "checkpoint": str(Path(args.checkpoint).resolve()),
-        "data_dir": str(data_dir),
-        "inference": {
-            "window": case_window if window is None else window,
-            "overlap": args.overlap,
-            "sw_batch_size": sw_batch,
-            "amp": str(amp_dtype),
-            "memory_format": format_name(memory_format),
-            "tta": args.tta,
-            "device": str(device),
-        },
-        "plan": plan.to_dict(),
-        "config": cfg,
-    }
-    (out / "summary.json").write_text(json.dumps(_plain(summary), indent=2))
-    if scored:
-        print_table(summary, scored)
-    else:
-        print(f"no reference labels for {args.split}: wrote predictions only")
-    print(f"\nwrote {out / 'metrics.csv'}, {out / 'summary.json'}, {out / 'predictions'}/, {out / 'overview.png'}")
-    return 0
+
+MERGED = ("rows", "errors", "done", "skipped")  # what each shard has its own share of
+
+
+def finish(args, result: dict[str, Any], shard_files: list[Path]) -> int:
+    """Merge the shards (if any), write metrics.csv and summary.json, decide post-processing after cv."""
+    out = output_dir(args)
+    for path in shard_files:
+        part = json.loads(path.read_text())
+        for key in MERGED:
+            result[key] = result.get(key, []) + part[key]
+        result["owners"] = {**result.get("owners", {}), **part["owners"]}
+    class_names = result["class_names"]
+    rows, errors = result.pop("rows"), result["errors"]
+    scored = sorted({r["case"] for r in rows})
+    if args.split != "cv":
+        result.pop("owners", None)
+    summary = {**(summarise(rows, class_names) if rows else {"mean_dice": None, "classes": {}}), **result}
+    summary.update(num_cases=len(result["done"]) + len(result["skipped"]) + len(errors), num_scored=len(scored))
+    if args.split == "cv" and not args.images and rows:
+        summary["folds"] = fold_scores(rows, result["owners"], class_names)
+        rules = postprocess.decide(saved_pairs(args, result, out), class_names)
+        postprocess.write(rules, out / "postprocessing.json")
+        summary["postprocessing"] = rules
+    if not args.images:
+        write_metrics(rows, out / "metrics.csv")
+    write_json(summary, out / "summary.json")
+    if rows:
+        print_table(summary, len(scored))
+    written = len(result["done"])
+    print(f"\n{written} case(s) written, {len(result['skipped'])} already there, {len(errors)} failed; in {out}")
+    for line in errors:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def fold_scores(rows, owner, class_names) -> dict[str, float]:
+    """The mean Dice of each fold's own cases (the cross-validation score is the mean over all of them)."""
+    by_fold: dict[str, list[dict]] = {}
+    for row in rows:
+        by_fold.setdefault(owner[row["case"]], []).append(row)
+    return {fold: summarise(fold_rows, class_names)["mean_dice"] for fold, fold_rows in sorted(by_fold.items())}
+
+
+def saved_pairs(args, result, out: Path):
+    """(prediction, reference) of every scored case, read back from the predictions written."""
+    spec = load_dataset_json(result["data_dir"])
+    labels = {c.name: c.label for c in spec.training}
+    for case in sorted({d["case"] for d in result["done"]}):
+        pred = np.asarray(nib.load(out / "predictions" / f"{case}.nii.gz").dataobj)
+        yield pred, load_label(labels[case])[0]
+
+
+def run_shards(argv: list[str], args: argparse.Namespace, gpus: list[int]) -> int:
+    """One child process per GPU (each masked to its card before CUDA starts) or per CPU worker, each on its
+    share of the cases; then one combined summary."""
+    out = output_dir(args)
+    (out / "shards").mkdir(parents=True, exist_ok=True)
+    count = len(gpus) or args.workers
+    keep = _strip(argv, ("--gpu", "--device", "--workers", "--out-dir"))
+    threads = max(1, len(os.sched_getaffinity(0)) // count)
+    procs = []
+    for i in range(count):
+        device = ["--gpu", str(gpus[i])] if gpus else ["--device", "cpu"]
+        command = [sys.executable, __file__, *keep, *device, "--out-dir", str(out), "--shard", f"{i}/{count}"]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        procs.append(subprocess.Popen(command, env=env))
+    codes = [p.wait() for p in procs]
+    files = [out / "shards" / f"{i}.json" for i in range(count)]
+    if any(c != 0 for c in codes) or not all(f.is_file() for f in files):
+        raise ValueError(f"a shard failed (exit codes {codes}); see its messages above")
+    first = json.loads(files[0].read_text())
+    merged = {k: v for k, v in first.items() if k not in (*MERGED, "owners")}
+    merged["inference"]["shards"] = [f"physical GPU {g}" for g in gpus] or [f"cpu x {count}"]
+    return finish(args, merged, files)
+
+
+def _strip(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """`argv` without these single-valued options and their values."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in options:
+            skip = True
+        elif not any(a.startswith(o + "=") for o in options):
+            kept.append(a)
+    return kept
 
 
 if __name__ == "__main__":

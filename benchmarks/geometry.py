@@ -33,10 +33,10 @@ def run(name: str, extra: list[str], args: argparse.Namespace) -> dict:
     out = Path(args.out) / name.replace(", ", "-").replace(" ", "-")
     command = ["bash", "launch.sh", "cpu:2", "--out-dir", str(out), "--time-limit", str(args.time_limit)]
     command += ["--synthetic-dir", str(Path(args.out) / "synthetic"), "--epochs", "1000", *extra]
-    subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     evaluate = [sys.executable, "evaluate.py", "--checkpoint", str(out / "checkpoints" / "best.pt")]
     subprocess.run([*evaluate, "--split", "test", "--device", "cpu", "--out-dir", str(out / "eval_test")], cwd=REPO,
-                   check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     summary = json.loads((out / "eval_test" / "summary.json").read_text())
     return {"mean_dice": summary["mean_dice"], **{k: v["dice"]["mean"] for k, v in summary["classes"].items()}}
 

@@ -53,9 +53,10 @@ def missing_files(cases: Sequence[Case]) -> list[str]:
     return [f"{p}: listed in dataset.json but missing" for c in cases for p in (c.image, c.label) if not p.is_file()]
 
 
-def split_problems(spec: DatasetSpec, num_val: int) -> list[str]:
-    """Validation needs at least one case; ranks beyond the number of cases take part with none."""
-    if num_val == 0:
+def split_problems(spec: DatasetSpec, num_val: int, fold_all: bool = False) -> list[str]:
+    """Validation needs at least one case (unless cross-validation's fold "all" trains on every case);
+    ranks beyond the number of cases take part with none."""
+    if num_val == 0 and not fold_all:
         return [
             f"{spec.root / 'dataset.json'}: the split holds out no validation case; raise --val-fraction "
             f"above 0 (with {len(spec.training)} training case(s), 1 / {len(spec.training)} holds out one)"

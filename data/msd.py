@@ -139,3 +139,28 @@ def split_cases(cases: Sequence[Case], val_fraction: float, seed: int) -> tuple[
     train = [c for i, c in enumerate(ordered) if i not in val_idx]
     val = [c for i, c in enumerate(ordered) if i in val_idx]
     return train, val
+
+
+def fold_cases(cases: Sequence[Case], folds: int, fold: str, seed: int) -> tuple[list[Case], list[Case]]:
+    """Cross-validation: (training, validation) cases of fold `fold` ("0".."folds-1") of `folds`, or every
+    case for training and none for validation with fold "all".
+
+    The cases, sorted by name, are shuffled by `seed` and dealt into `folds` parts of sizes differing by one
+    at most: fold k validates on part k. The split depends only on the names, `folds` and `seed`.
+    """
+    ordered = sorted(cases, key=lambda c: c.name)
+    if fold == "all":
+        return ordered, []
+    k = int(fold)
+    if not 2 <= folds <= len(ordered):
+        raise ValueError(f"--folds {folds}: needs 2 to {len(ordered)} folds for {len(ordered)} cases")
+    if not 0 <= k < folds:
+        raise ValueError(f"--fold {fold}: must be all or 0..{folds - 1}")
+    order = np.random.default_rng(seed).permutation(len(ordered))
+    val_idx = set(order[k::folds].tolist())
+    return [c for i, c in enumerate(ordered) if i not in val_idx], [c for i, c in enumerate(ordered) if i in val_idx]
+
+
+def run_split(cases: Sequence[Case], val_fraction: float, seed: int, fold: str | None, folds: int):
+    """The training run's (training, validation) cases: a fold when `fold` is given, else a held-out share."""
+    return fold_cases(cases, folds, fold, seed) if fold is not None else split_cases(cases, val_fraction, seed)

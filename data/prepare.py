@@ -22,7 +22,7 @@ import torch
 
 from data.cache import build_cache, fingerprint_cases, load_fingerprints
 from data.check import missing_files, split_problems
-from data.msd import Case, DatasetSpec, load_dataset_json, split_cases
+from data.msd import Case, DatasetSpec, load_dataset_json, run_split
 from data.plan import Plan, PlanRequest, make_plan
 from data.synthetic import write_synthetic_dataset
 
@@ -47,6 +47,8 @@ class DataConfig:
     cache_dir: str | None  # None: runs/cache/<dataset>-<hash>
     val_fraction: float
     seed: int
+    fold: str | None = None  # cross-validation: 0..folds-1 or all; None: hold out val_fraction
+    folds: int = 5
 
     @property
     def synthetic_path(self) -> Path:
@@ -66,6 +68,7 @@ class RunData:
     val: list[Case]
     cache_root: Path  # fingerprints, and one folder per plan
     plan: Plan | None = None
+    fold_all: bool = False  # cross-validation's "all": every case trains, none validates
 
     @property
     def cache(self) -> Path:
@@ -102,9 +105,9 @@ def resolve_data(cfg: DataConfig, run_once: Callable[[Callable[[], Path]], Path]
         )
         data_dir = Path(run_once(make))
     spec = load_dataset_json(data_dir, require_files=False)
-    train, val = split_cases(spec.training, cfg.val_fraction, cfg.seed)
+    train, val = run_split(spec.training, cfg.val_fraction, cfg.seed, cfg.fold, cfg.folds)
     cache = Path(cfg.cache_dir) if cfg.cache_dir is not None else default_cache_dir(data_dir)
-    return RunData(data_dir, spec, train, val, cache)
+    return RunData(data_dir, spec, train, val, cache, fold_all=cfg.fold == "all")
 
 
 def _present(run: RunData) -> list[Case]:
@@ -114,7 +117,7 @@ def _present(run: RunData) -> list[Case]:
 def inspect(run: RunData, request: PlanRequest, shard: int = 0, num_shards: int = 1) -> list[str]:
     """Stage 1, this shard's part: missing files and the split, then every present case checked and
     fingerprinted (fingerprints are kept in the cache, so a second run reads no image)."""
-    problems = missing_files(run.spec.training) + split_problems(run.spec, len(run.val))
+    problems = missing_files(run.spec.training) + split_problems(run.spec, len(run.val), run.fold_all)
     root = run.cache_root
     return problems + fingerprint_cases(
         _present(run), run.spec, request.orientation, request.crop, root, shard, num_shards

@@ -158,3 +158,13 @@ def test_temporary_names_differ_between_hosts_with_the_same_pid(monkeypatch, tmp
         names.add(name)
     assert len(names) == 2
     assert temp_path(tmp_path / "x") != temp_path(tmp_path / "x"), "a random token separates threads too"
+
+
+def test_stitched_logits_that_would_not_fit_on_the_gpu_go_to_the_host(monkeypatch):
+    from unet3d.inference.sliding_window import accumulator_device
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * 2**30, 80 * 2**30))
+    ct = 15 * 512 * 512 * 600 * 4  # 14 classes and the weights of a 512 x 512 x 600 CT
+    assert accumulator_device(GPU, ct) == CPU
+    assert accumulator_device(GPU, 2**30) == GPU
+    assert accumulator_device(CPU, ct) == CPU, "on the CPU there is nowhere else"

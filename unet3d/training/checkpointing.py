@@ -28,7 +28,7 @@ from unet3d.training.state import TrainState
 LAST, PREVIOUS, BEST = "last.pt", "previous.pt", "best.pt"
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "best_metric", "config", "model_args")
 # A checkpoint of another architecture, class set or patch cannot be continued.
-STRICT_FIELDS = ("features", "patch_size")
+STRICT_FIELDS = ("features", "patch_size", "fold")
 # Continuing in the middle of an epoch needs the epoch's sample order: the same sharding and batches.
 POSITION_FIELDS = ("batch_size", "samples_per_epoch", "seed")
 # Settings that may change between runs without a word.
@@ -132,6 +132,8 @@ def check_compatible(
     for name in STRICT_FIELDS:
         if _plain(saved.get(name)) != _plain(config[name]):
             errors.append(f"{name} (checkpoint {_plain(saved.get(name))}, now {_plain(config[name])})")
+    if config["fold"] is not None and saved.get("folds") != config["folds"]:  # another fold's cases
+        errors.append(f"folds (checkpoint {saved.get('folds')}, now {config['folds']})")
     if state.get("step", 0) > 0:
         saved_world = state.get("world_size")
         if saved_world != world_size:
@@ -142,7 +144,8 @@ def check_compatible(
     if errors:
         raise CheckpointError(f"cannot resume from {source}: the configuration differs in " + "; ".join(errors))
     ignored = set(FREE_FIELDS) | set(STRICT_FIELDS) | set(POSITION_FIELDS)
-    return sorted(k for k in config if k not in ignored and _plain(saved.get(k)) != _plain(config[k]))
+    # options newer than the checkpoint are not "changed": it was trained before they existed
+    return sorted(k for k in config if k not in ignored and k in saved and _plain(saved[k]) != _plain(config[k]))
 
 
 def _plain(value: Any) -> Any:

@@ -83,7 +83,9 @@ class TrainConfig:
         "thick-axis-first), the same anatomy in world coordinates",
     )
     cache_dir: str | None = _f(None, "preprocessing cache (default: runs/cache/<dataset>-<hash>), reused across runs")
-    val_fraction: float = _f(0.2, "share of the training list held out for validation")
+    val_fraction: float = _f(0.2, "share of the training list held out for validation (unless --fold is given)")
+    fold: str | None = _f(None, "cross-validation: train fold 0..folds-1 (its validation cases held out), or all")
+    folds: int = _f(5, "the number of cross-validation folds (a deterministic split by case name and seed)")
     seed: int = _f(0, "seed of the split, the initial weights and every random patch")
     orientation: str = _f(
         "RAS", "bring every case to RAS axis order and directions (by permutations and flips), or none"
@@ -197,6 +199,10 @@ class TrainConfig:
             raise ValueError(f"--fg-fraction must be in [0, 1], got {self.fg_fraction}")
         if not 0 <= self.val_overlap < 1:
             raise ValueError(f"--val-overlap must be in [0, 1), got {self.val_overlap}")
+        if self.fold is not None and self.fold != "all" and not str(self.fold).isdigit():
+            raise ValueError(f"--fold must be all or a fold number, got {self.fold!r}")
+        if self.folds < 2:
+            raise ValueError(f"--folds must be >= 2, got {self.folds}")
         if self.profile < 0:
             raise ValueError(f"--profile must be >= 0 steps, got {self.profile}")
         if self.num_workers is not None and self.num_workers < 0:

@@ -56,6 +56,7 @@ class TrainState:
     plan: Plan  # how the data was brought into one space, and the network planned for it
     model_args: dict[str, Any]  # UNet3D(**model_args)
     class_names: list[str]
+    split: dict[str, list[str]] = field(default_factory=dict)  # the case names of "train" and "val"
     epoch: int = 0  # epochs completed
     partial_epoch: PartialEpoch = field(default_factory=PartialEpoch)  # of the next epoch, after a stop
     best_metric: float = -math.inf  # the best mean validation Dice so far
@@ -94,6 +95,7 @@ class TrainState:
             "plan": self.plan.to_dict(),
             "model_args": dict(self.model_args),
             "class_names": list(self.class_names),
+            "split": {k: list(v) for k, v in self.split.items()},
             "world_size": world_size,
             "rng": rng_states,
             "time_budget": self.budget.state_dict() if self.budget is not None else None,
@@ -135,7 +137,9 @@ def build_state(rt: Runtime, run: RunData) -> TrainState:
     torch.manual_seed(rt.cfg.seed)  # the same initial weights on every rank (DDP would broadcast them anyway)
     model = apply_memory_format(UNet3D(**args).to(rt.device), rt.memory_format)
     model.grad_checkpoint = rt.cfg.grad_checkpoint
-    return new_state(rt, model, run.plan, args, run.spec.class_names)
+    state = new_state(rt, model, run.plan, args, run.spec.class_names)
+    state.split = {"train": [c.name for c in run.train], "val": [c.name for c in run.val]}
+    return state
 
 
 def new_state(

@@ -96,7 +96,10 @@ def _preview(case: PreparedCase, pred: torch.Tensor, dice: float) -> Preview:
 
 def validation_due(cfg: TrainConfig, epochs_done: int, stopped: StopReason | None) -> bool:
     """Every --val-every epochs and after the last; after a stop only for the time limit, whose budget
-    keeps room for this last validation (a stop signal wants the job gone quickly)."""
+    keeps room for this last validation (a stop signal wants the job gone quickly); never with --fold all,
+    which trains on every case."""
+    if cfg.fold == "all":
+        return False
     if stopped is not None:
         return stopped is StopReason.TIME_LIMIT
     return epochs_done % cfg.val_every == 0 or epochs_done == cfg.epochs

@@ -1,0 +1,83 @@
+"""Cross-validation end to end: two folds trained with launch.sh, scored together (the cross-validation
+score and the post-processing decision), then ensembled on the test split against each fold alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.msd import Case, fold_cases
+from tests.helpers import run
+
+SYNTHETIC = ["--synthetic-cases", "8", "--synthetic-size", "32", "--num-workers", "0"]
+DATA = [*SYNTHETIC, "--epochs", "2", "--samples-per-epoch", "16"]
+
+
+@pytest.fixture(scope="module")
+def folds(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("folds")
+    for fold in ("0", "1"):
+        out = root / f"fold{fold}"
+        args = ["--synthetic-dir", str(root / "syn"), "--cache-dir", str(root / "cache"), "--out-dir", str(out)]
+        result = run(["bash", "launch.sh", "cpu:2", *args, *DATA, "--fold", fold, "--folds", "2"], timeout=240)
+        assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return root
+
+
+def test_folds_are_disjoint_and_cover_every_case():
+    cases = [Case(f"c{i:02d}", Path(f"c{i}"), Path(f"l{i}")) for i in range(11)]
+    held = [fold_cases(cases, 3, str(k), seed=0)[1] for k in range(3)]
+    names = [c.name for part in held for c in part]
+    assert sorted(names) == [c.name for c in cases] and sorted(len(p) for p in held) == [3, 4, 4]
+    assert fold_cases(list(reversed(cases)), 3, "1", 0) == fold_cases(cases, 3, "1", 0), "by name only"
+    assert fold_cases(cases, 3, "all", 0) == (sorted(cases, key=lambda c: c.name), [])
+
+
+def test_each_fold_records_its_split(folds):
+    splits = [torch.load(folds / f"fold{f}/checkpoints/best.pt", weights_only=True)["split"] for f in (0, 1)]
+    assert set(splits[0]["val"]).isdisjoint(splits[1]["val"])
+    assert sorted(splits[0]["val"] + splits[1]["val"]) == sorted(splits[0]["train"] + splits[0]["val"])
+
+
+def test_cross_validation_score_and_post_processing(folds):
+    checkpoints = [str(folds / f"fold{f}" / "checkpoints" / "best.pt") for f in (0, 1)]
+    out = folds / "cv"
+    run_ok(["--checkpoint", *checkpoints, "--split", "cv", "--out-dir", str(out)])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_scored"] == 8 and set(summary["folds"]) == set(checkpoints)
+    rules = json.loads((out / "postprocessing.json").read_text())
+    assert set(rules["cross_validation_dice"]) == {"organ", "lesion"} and rules["num_cases"] == 8
+    assert summary["postprocessing"] == rules
+
+
+def test_the_ensemble_of_the_folds_on_the_test_split(folds, capsys):
+    checkpoints = [str(folds / f"fold{f}" / "checkpoints" / "best.pt") for f in (0, 1)]
+    dice = {}
+    for name, chosen in [("fold 0", checkpoints[:1]), ("fold 1", checkpoints[1:]), ("ensemble", checkpoints)]:
+        out = folds / name.replace(" ", "")
+        run_ok(["--checkpoint", *chosen, "--split", "test", "--out-dir", str(out)])
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["num_scored"] == 4 and summary["inference"]["ensemble"] == len(chosen)
+        dice[name] = summary["mean_dice"]
+    with capsys.disabled():
+        print("\ntest mean Dice: " + ", ".join(f"{k} {v:.4f}" for k, v in dice.items()))
+    assert all(0 <= v <= 1 for v in dice.values())
+
+
+def test_fold_all_trains_on_every_case_without_validation(folds):
+    out = folds / "all"
+    args = ["--synthetic-dir", str(folds / "syn"), "--cache-dir", str(folds / "cache"), "--out-dir", str(out)]
+    command = ["bash", "launch.sh", "cpu:2", *args, *SYNTHETIC, "--epochs", "1", "--samples-per-epoch", "8"]
+    result = run([*command, "--fold", "all"], timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert len(state["split"]["train"]) == 8 and state["split"]["val"] == []
+    assert not (out / "checkpoints" / "best.pt").exists() and "val Dice" not in result.stdout
+
+
+def run_ok(args: list[str]) -> None:
+    result = run(["python", "evaluate.py", "--device", "cpu", *args], timeout=240)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"

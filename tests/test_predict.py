@@ -1,0 +1,131 @@
+"""From a trained model to segmentations of new scans: folders of any NIfTI files, cross-validation folds,
+ensembles, post-processing chosen on the folds, probabilities, and cases sharded over processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+import evaluate
+from data.plan import Plan
+from tests.helpers import run
+from unet3d import UNet3D
+from unet3d.inference import postprocess
+
+CLASSES = ["background", "organ", "lesion"]
+
+
+def two_channel_checkpoint(path: Path) -> Path:
+    """A format-2 checkpoint of an untrained 2-channel U-Net (geometry and files are what is tested here)."""
+    torch.manual_seed(0)
+    model = UNet3D(2, 3, (4, 8))
+    plan = Plan(
+        orientation="RAS", spacing=(1.0, 1.0, 1.0), spacing_rule="given", crop="nonzero",
+        normalization=({"modality": "T1", "scheme": "zscore"}, {"modality": "T2", "scheme": "zscore"}),
+        median_shape=(20, 20, 12), median_spacing=(1.0, 1.0, 1.0), patch_size=(16, 16, 8), features=(4, 8),
+        kernels=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (2, 2, 2)),
+    )  # fmt: skip
+    checkpoint = {
+        "format": 2,
+        "model": model.state_dict(),
+        "model_args": plan.model_args(2, 3),
+        "config": {"patch_size": [16, 16, 8], "batch_size": 2},
+        "class_names": CLASSES,
+        "plan": plan.to_dict(),
+    }
+    torch.save(checkpoint, path)
+    return path
+
+
+def scan(rng, shape=(20, 18, 12), channels=2) -> np.ndarray:
+    return rng.normal(100, 20, (*shape, channels)).astype(np.float32)
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    """A 4D file, a pair of nnU-Net channel files, a corrupt file and an LPS file with permuted axes."""
+    rng = np.random.default_rng(0)
+    images = tmp_path / "scans"
+    images.mkdir()
+    nib.save(nib.Nifti1Image(scan(rng), np.diag([1.0, 1.0, 1.5, 1.0])), images / "case_a.nii.gz")
+    pair = scan(rng)
+    for c in range(2):
+        nib.save(nib.Nifti1Image(pair[..., c], np.diag([0.9, 0.9, 2.0, 1.0])), images / f"case_b_000{c}.nii.gz")
+    (images / "case_c.nii.gz").write_bytes(b"not a NIfTI file at all")
+    lps = np.array([[0, -0.8, 0, 10], [0, 0, -0.8, 20], [3.0, 0, 0, -5], [0, 0, 0, 1]])
+    nib.save(nib.Nifti1Image(scan(rng, (6, 22, 24)), lps), images / "case_d.nii.gz")
+    return images
+
+
+def test_a_folder_of_new_scans(folder, tmp_path, capsys):
+    checkpoint = two_channel_checkpoint(tmp_path / "model.pt")
+    out = tmp_path / "seg"
+    argv = ["--checkpoint", str(checkpoint), "--images", str(folder), "--out-dir", str(out), "--device", "cpu"]
+    assert evaluate.main(argv) == 1, "one case failed"
+    printed = capsys.readouterr()
+    assert "error: case_c:" in printed.err and "case_c.nii.gz: cannot read as NIfTI" in printed.err
+    written = sorted(p.name for p in out.glob("*.nii.gz"))
+    assert written == ["case_a.nii.gz", "case_b.nii.gz", "case_d.nii.gz"]
+    for name, source in [("case_a", "case_a"), ("case_b", "case_b_0000"), ("case_d", "case_d")]:
+        pred, image = nib.load(out / f"{name}.nii.gz"), nib.load(folder / f"{source}.nii.gz")
+        assert pred.shape == image.shape[:3] and np.allclose(pred.affine, image.affine), name
+        assert pred.get_data_dtype() == np.uint8 and set(np.unique(np.asarray(pred.dataobj))) <= {0, 1, 2}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_cases"] == 4 and summary["errors"][0].startswith("case_c:")
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("*.nii.gz")}
+    assert evaluate.main(argv) == 1
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.nii.gz")} == stamps, "a second run writes nothing"
+    assert "0 case(s) written, 3 already there, 1 failed" in capsys.readouterr().out
+
+
+def test_probabilities_beside_the_labels(folder, tmp_path):
+    checkpoint = two_channel_checkpoint(tmp_path / "model.pt")
+    out = tmp_path / "seg"
+    argv = ["--checkpoint", str(checkpoint), "--images", str(folder), "--out-dir", str(out), "--device", "cpu"]
+    evaluate.main([*argv, "--save-probabilities"])
+    saved = np.load(out / "case_d.npz")
+    probs, labels = saved["probabilities"], np.asarray(nib.load(out / "case_d.nii.gz").dataobj)
+    assert probs.dtype == np.float16 and probs.shape == (3, *labels.shape)
+    assert list(saved["class_names"]) == CLASSES
+    np.testing.assert_allclose(probs.astype(np.float32).sum(0), 1.0, atol=1e-2)
+    assert (probs.argmax(0) == labels).mean() > 0.99
+
+
+def test_two_cpu_workers_write_the_files_one_worker_writes(folder, tmp_path):
+    checkpoint = two_channel_checkpoint(tmp_path / "model.pt")
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        command = ["python", "evaluate.py", "--checkpoint", str(checkpoint), "--images", str(folder)]
+        result = run([*command, "--out-dir", str(out), "--device", "cpu", "--workers", str(workers)], timeout=120)
+        assert result.returncode == 1 and "case_c" in result.stderr, result.stderr
+    one, two = tmp_path / "w1", tmp_path / "w2"
+    assert sorted(p.name for p in two.glob("*.nii.gz")) == sorted(p.name for p in one.glob("*.nii.gz"))
+    for path in one.glob("*.nii.gz"):
+        a, b = nib.load(path), nib.load(two / path.name)
+        assert np.array_equal(np.asarray(a.dataobj), np.asarray(b.dataobj)) and np.array_equal(a.affine, b.affine)
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["inference"]["shards"] == ["cpu x 2"] and len(summary["errors"]) == 1
+
+
+def test_the_largest_component_rule_is_chosen_only_where_it_helps():
+    ref = np.zeros((20, 20, 20), np.uint8)
+    ref[2:8, 2:8, 2:8] = 1
+    ref[12:18, 12:18, 12:18] = 2  # class 2 in one piece, class 1 too
+    noisy = ref.copy()
+    noisy[15, 3, 3] = 1  # a stray class 1 voxel far away: removing it helps
+    stray = ref.copy()
+    stray[14:16, 5:7, 15:17] = 2  # a stray class 2 blob beside the real one
+    rules = postprocess.decide([(noisy, ref), (stray, ref)], CLASSES)
+    assert rules["largest_component"] == ["organ", "lesion"]
+    assert rules["cross_validation_dice"]["organ"]["with"] > rules["cross_validation_dice"]["organ"]["without"]
+    two_lesions = ref.copy()
+    two_lesions[2:5, 14:17, 2:5] = 2
+    ref_two = two_lesions.copy()  # the reference really has two lesions: keeping one would hurt
+    assert postprocess.decide([(two_lesions, ref_two)], CLASSES)["largest_component"] == []
+    applied = postprocess.apply(noisy, {"largest_component": ["organ"]}, CLASSES)
+    assert np.array_equal(applied, ref)
