@@ -75,7 +75,8 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
         resume(rt, state, checkpoint, Path(source))
     state.budget = TimeBudget.for_job(rt.cfg.time_limit, state.budget, started, state.schedule.progress)
     model = wrap_for_training(rt, state.model)
-    loss_fn = inject_faults(build_loss(rt.cfg.loss), info.rank, state.epoch * rt.steps_per_epoch + state.step)
+    first_step = state.epoch * rt.steps_per_epoch + state.step
+    loss_fn = inject_faults(build_loss(rt.cfg.loss, state.model), info.rank, first_step)
     loader = make_loader(rt, train_cases)
     control = StepControl(rt.device, rt.cfg.max_bad_steps, state.budget, started)
     control.progress_floor = state.schedule.progress

@@ -19,9 +19,12 @@ from data.msd import DatasetSpec
 from data.plan import legacy_plan
 
 
-def ours_per_worker(cache: Path, spec: DatasetSpec, patch: Sequence[int], samples: int) -> float:
+def ours_per_worker(
+    cache: Path, spec: DatasetSpec, patch: Sequence[int], samples: int, augmentation: str = "basic"
+) -> float:
     """Patches per second of one worker: our dataset read in-process (memory-mapped cache, augmentation)."""
-    dataset = PatchDataset([open_case(c, cache) for c in spec.training], patch, samples_per_epoch=samples, seed=1)
+    cases = [open_case(c, cache) for c in spec.training]
+    dataset = PatchDataset(cases, patch, samples_per_epoch=samples, seed=1, augmentation=augmentation)
     dataset[(0, 0)]
     began = time.perf_counter()
     for i in range(samples):

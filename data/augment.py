@@ -1,50 +1,137 @@
-"""Patch augmentation: mirroring on the three axes, intensity scale and shift, gamma (as nnU-Net)."""
+"""Patch augmentation, run in the DataLoader workers, as nnU-Net augments.
+
+`basic`: mirroring on the three axes, intensity scale and shift, gamma. `nnunet` adds nnU-Net's spatial and
+intensity transforms: rotation (up to 30 degrees about each axis) and scaling (0.7 to 1.4) of the patch's
+sampling grid (the label follows through nearest-neighbour sampling, `spatial_transform`), Gaussian noise,
+Gaussian blur, contrast, simulated low resolution and inverted gamma. Probabilities follow nnU-Net's
+defaults. A sample's augmentation depends only on its own generator.
+"""
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
+import numpy as np
+from scipy import ndimage
+
+AUGMENTATIONS = ("basic", "nnunet")
 P_FLIP = 0.5  # per axis
 P_SCALE, SCALE_RANGE = 0.15, (0.75, 1.25)  # multiplicative intensity change
 P_SHIFT, SHIFT_STD = 0.15, 0.1  # additive change, in units of the normalised intensity
 P_GAMMA, GAMMA_RANGE = 0.3, (0.7, 1.5)
+# nnunet only
+P_ROTATE, MAX_ANGLE = 0.2, math.radians(30)  # the probability of a rotation; each axis's angle in +-MAX_ANGLE
+P_ZOOM, ZOOM_RANGE = 0.2, (0.7, 1.4)  # the patch's sampling grid scaled by this (>1: a larger field of view)
+P_NOISE, NOISE_VARIANCE = 0.1, (0.0, 0.1)
+P_BLUR, BLUR_SIGMA = 0.2, (0.5, 1.0)  # per sample; then each channel with probability 0.5
+P_CONTRAST, CONTRAST_RANGE = 0.15, (0.75, 1.25)
+P_LOWRES, LOWRES_ZOOM = 0.25, (0.5, 1.0)  # per sample; then each channel with probability 0.5
+P_INVERTED_GAMMA = 0.1
 
 
-def gamma(channel: np.ndarray, g: float) -> np.ndarray:
-    """Gamma on the channel rescaled to [0, 1], then mapped back so its mean and std are kept."""
+def spatial_transform(rng: np.random.Generator) -> np.ndarray | None:
+    """A random 3x3 map from patch offsets to volume offsets (rotation and scaling), or None for none."""
+    matrix = np.eye(3)
+    if rng.random() < P_ROTATE:
+        for axis in range(3):
+            angle = rng.uniform(-MAX_ANGLE, MAX_ANGLE)
+            c, s = math.cos(angle), math.sin(angle)
+            rotation = np.eye(3)
+            i, j = [a for a in range(3) if a != axis]
+            rotation[i, i], rotation[i, j], rotation[j, i], rotation[j, j] = c, -s, s, c
+            matrix = rotation @ matrix
+    if rng.random() < P_ZOOM:
+        matrix = matrix * rng.uniform(*ZOOM_RANGE)
+    return None if np.array_equal(matrix, np.eye(3)) else matrix
+
+
+def sample_transformed(
+    image: np.ndarray, label: np.ndarray, centre: np.ndarray, patch: np.ndarray, matrix: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The patch of `patch` voxels around `centre` on a grid mapped by `matrix`: image (C, X, Y, Z) linearly,
+    label (X, Y, Z) by nearest neighbour, both from the same coordinates; outside the volume 0 (the
+    normalised mean, and background). Only the box the grid touches is read (volumes may be memory maps)."""
+    offsets = np.stack(np.meshgrid(*[np.arange(p) - (p - 1) / 2 for p in patch], indexing="ij"), axis=0)
+    coords = np.tensordot(matrix, offsets, axes=1) + centre.reshape(3, 1, 1, 1)  # (3, *patch), volume voxels
+    lo = np.maximum(np.floor(coords.reshape(3, -1).min(1)).astype(int) - 1, 0)
+    hi = np.minimum(np.ceil(coords.reshape(3, -1).max(1)).astype(int) + 2, label.shape)
+    box = tuple(slice(int(a), int(b)) for a, b in zip(lo, np.maximum(hi, lo + 1)))
+    local = coords - lo.reshape(3, 1, 1, 1)
+    region = np.asarray(image[(slice(None),) + box], dtype=np.float32)
+    out = np.stack([ndimage.map_coordinates(c, local, order=1, mode="constant", cval=0.0) for c in region])
+    seg = ndimage.map_coordinates(np.asarray(label[box]), local, order=0, mode="constant", cval=0)
+    return out.astype(np.float32), seg.astype(np.uint8)
+
+
+def gamma(channel: np.ndarray, g: float, inverted: bool = False) -> np.ndarray:
+    """Gamma on the channel rescaled to [0, 1] (of the inverted channel when `inverted`), then mapped back so
+    its mean and std are kept."""
     lo, hi = float(channel.min()), float(channel.max())
     if hi - lo < 1e-8:
         return channel
     mean, std = float(channel.mean()), float(channel.std())
-    out = ((channel - lo) / (hi - lo)) ** g * (hi - lo) + lo
+    unit = (channel - lo) / (hi - lo)
+    unit = 1 - (1 - unit) ** g if inverted else unit**g
+    out = unit * (hi - lo) + lo
     out_std = float(out.std())
     if out_std > 1e-8:
         out = (out - out.mean()) / out_std * std + mean
     return out.astype(np.float32)
 
 
-def augment(image: np.ndarray, label: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Random augmentation of one patch; the label follows every spatial change.
+def _low_resolution(channel: np.ndarray, zoom: float) -> np.ndarray:
+    small = ndimage.zoom(channel, zoom, order=0)
+    return ndimage.zoom(small, [a / b for a, b in zip(channel.shape, small.shape)], order=3)[
+        tuple(slice(0, n) for n in channel.shape)
+    ]
+
+
+def augment(
+    image: np.ndarray, label: np.ndarray, rng: np.random.Generator, level: str = "basic"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random augmentation of one patch (after `spatial_transform`, if any); the label follows every spatial
+    change.
 
     Args:
         image: (C, X, Y, Z) float32.
         label: (X, Y, Z) uint8.
         rng: the generator of this sample; the result depends on nothing else.
+        level: `basic` or `nnunet` (see the module's description).
 
     Returns:
         augmented contiguous copies of image and label.
     """
-    for axis in range(3):
-        if rng.random() < P_FLIP:
-            image = np.flip(image, axis + 1)
-            label = np.flip(label, axis)
     image = np.array(image, dtype=np.float32)  # a writable copy
+    full = level == "nnunet"
+    if full and rng.random() < P_NOISE:
+        image += rng.normal(0.0, math.sqrt(rng.uniform(*NOISE_VARIANCE)), image.shape).astype(np.float32)
+    if full and rng.random() < P_BLUR:
+        for c in range(image.shape[0]):
+            if rng.random() < 0.5:
+                image[c] = ndimage.gaussian_filter(image[c], rng.uniform(*BLUR_SIGMA))
     if rng.random() < P_SCALE:
         image *= rng.uniform(*SCALE_RANGE)
+    if full and rng.random() < P_CONTRAST:
+        factor = rng.uniform(*CONTRAST_RANGE)
+        for c in range(image.shape[0]):
+            lo, hi, mean = image[c].min(), image[c].max(), image[c].mean()
+            image[c] = np.clip((image[c] - mean) * factor + mean, lo, hi)
+    if full and rng.random() < P_LOWRES:
+        for c in range(image.shape[0]):
+            if rng.random() < 0.5:
+                image[c] = _low_resolution(image[c], rng.uniform(*LOWRES_ZOOM))
     if rng.random() < P_SHIFT:
         image += rng.normal(0.0, SHIFT_STD)
+    if full and rng.random() < P_INVERTED_GAMMA:
+        g = rng.uniform(*GAMMA_RANGE)
+        for c in range(image.shape[0]):
+            image[c] = gamma(image[c], g, inverted=True)
     if rng.random() < P_GAMMA:
         g = rng.uniform(*GAMMA_RANGE)
         for c in range(image.shape[0]):
             image[c] = gamma(image[c], g)
-    return image, np.ascontiguousarray(label)
+    for axis in range(3):
+        if rng.random() < P_FLIP:
+            image = np.flip(image, axis + 1)
+            label = np.flip(label, axis)
+    return np.ascontiguousarray(image), np.ascontiguousarray(label)

@@ -25,7 +25,7 @@ from data.geometry import Geometry
 from data.msd import Case, DatasetSpec
 from data.nifti import load_image, load_label
 from data.patches import PreparedCase, foreground_coords
-from data.plan import Fingerprint, Plan, fingerprint_arrays
+from data.plan import Fingerprint, Plan, PlanRequest, fingerprint_arrays
 from data.preprocess import preprocess
 from unet3d.files import atomic_write, atomic_write_text
 
@@ -36,8 +36,8 @@ def _sources(case: Case) -> list:
     return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in (case.image, case.label)]
 
 
-def _fingerprint_file(root: Path, case: Case, orientation: str, crop: str) -> Path:
-    return root / "fingerprints" / f"{orientation}-{crop}" / f"{case.name}.json"
+def _fingerprint_file(root: Path, case: Case, request: PlanRequest) -> Path:
+    return root / "fingerprints" / f"{request.orientation}-{request.crop}" / f"{case.name}.json"
 
 
 def _read_json(path: Path) -> dict | None:
@@ -48,7 +48,7 @@ def _read_json(path: Path) -> dict | None:
 
 
 def fingerprint_cases(
-    cases: Sequence[Case], spec: DatasetSpec, orientation: str, crop: str, root: Path, shard: int, num_shards: int
+    cases: Sequence[Case], spec: DatasetSpec, request: PlanRequest, root: Path, shard: int, num_shards: int
 ) -> list[str]:
     """Check and fingerprint the cases of shard `shard` of `num_shards` that have no fresh fingerprint file.
 
@@ -57,7 +57,7 @@ def fingerprint_cases(
     """
     errors = []
     for case in list(cases)[shard::num_shards]:
-        path = _fingerprint_file(root, case, orientation, crop)
+        path = _fingerprint_file(root, case, request)
         try:
             stamp = {"version": CACHE_VERSION, "modalities": spec.modalities, "sources": _sources(case)}
             saved = _read_json(path)
@@ -69,16 +69,16 @@ def fingerprint_cases(
             if problems:
                 errors += [f"{case.name}: {p}" for p in problems]
                 continue
-            found = fingerprint_arrays(case.name, image, image_nii.affine, label, spec.modalities, orientation, crop)
+            found = fingerprint_arrays(case.name, image, image_nii.affine, label, spec.modalities, request)
             atomic_write_text(path, json.dumps({"stamp": stamp, **found.to_dict()}))
         except (OSError, ValueError) as e:
             errors.append(f"{case.name}: {e}")
     return errors
 
 
-def load_fingerprints(cases: Sequence[Case], orientation: str, crop: str, root: Path) -> list[Fingerprint]:
+def load_fingerprints(cases: Sequence[Case], request: PlanRequest, root: Path) -> list[Fingerprint]:
     """The fingerprints `fingerprint_cases` wrote for these cases."""
-    return [Fingerprint.from_dict(json.loads(_fingerprint_file(root, c, orientation, crop).read_text())) for c in cases]
+    return [Fingerprint.from_dict(json.loads(_fingerprint_file(root, c, request).read_text())) for c in cases]
 
 
 def _paths(folder: Path, name: str) -> dict[str, Path]:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from data.augment import augment
+from data.augment import AUGMENTATIONS, augment, spatial_transform
 from data.patches import PreparedCase, sample_patch
 
 
@@ -27,6 +27,7 @@ class PatchDataset(Dataset):
         samples_per_epoch: the epoch's length, independent of the number of cases.
         fg_fraction: share of patches centred on a foreground voxel (nnU-Net: one third).
         seed: base seed of every sample's generator.
+        augmentation: `basic` or `nnunet` (`data.augment`).
 
     Items are addressed by (epoch, index) as `EpochSampler` yields them (a bare index means epoch 0)
     and are (image (C, *patch_size) float32, label (*patch_size) uint8) tensors.
@@ -39,6 +40,7 @@ class PatchDataset(Dataset):
         samples_per_epoch: int,
         fg_fraction: float = 1 / 3,
         seed: int = 0,
+        augmentation: str = "basic",
     ) -> None:
         if not cases:
             raise ValueError("PatchDataset needs at least one case")
@@ -49,6 +51,9 @@ class PatchDataset(Dataset):
         self.samples_per_epoch = int(samples_per_epoch)
         self.fg_fraction = fg_fraction
         self.seed = seed
+        if augmentation not in AUGMENTATIONS:
+            raise ValueError(f"augmentation must be one of {AUGMENTATIONS}, got {augmentation!r}")
+        self.augmentation = augmentation
 
     def __len__(self) -> int:
         return self.samples_per_epoch
@@ -62,8 +67,9 @@ class PatchDataset(Dataset):
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
         case_idx, force_fg, rng = self.plan(epoch, index)
-        image, label = sample_patch(self.cases[case_idx], self.patch_size, rng, force_fg)
-        image, label = augment(image, label, rng)
+        matrix = spatial_transform(rng) if self.augmentation == "nnunet" else None
+        image, label = sample_patch(self.cases[case_idx], self.patch_size, rng, force_fg, matrix)
+        image, label = augment(image, label, rng, self.augmentation)
         return torch.from_numpy(image), torch.from_numpy(label)
 
 

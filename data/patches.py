@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from data.augment import sample_transformed
 from data.geometry import Geometry
 
 MAX_FG_COORDS = 20_000  # foreground voxels kept per class to draw patch centres from
@@ -52,9 +53,14 @@ def _pad_to(image: np.ndarray, label: np.ndarray, size: Sequence[int]) -> tuple[
 
 
 def sample_patch(
-    case: PreparedCase, patch_size: Sequence[int], rng: np.random.Generator, force_fg: bool
+    case: PreparedCase,
+    patch_size: Sequence[int],
+    rng: np.random.Generator,
+    force_fg: bool,
+    matrix: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A random patch of `case`; with `force_fg`, centred on a voxel of a randomly chosen present class.
+    """A random patch of `case`; with `force_fg`, centred on a voxel of a randomly chosen present class; with
+    `matrix` (`data.augment.spatial_transform`), sampled on a rotated and scaled grid about the same centre.
 
     Returns:
         image (C, *patch_size) float32 and label (*patch_size) uint8, contiguous copies.
@@ -71,5 +77,7 @@ def sample_patch(
         start = np.clip(centre - patch // 2, 0, highest)
     else:
         start = np.array([rng.integers(h + 1) for h in highest])
+    if matrix is not None:
+        return sample_transformed(image, label, start + (patch - 1) / 2, patch, matrix)
     sl = tuple(slice(int(s), int(s + p)) for s, p in zip(start, patch))
     return np.ascontiguousarray(image[(slice(None),) + sl]), np.ascontiguousarray(label[sl])

@@ -62,20 +62,34 @@ class Fingerprint:
         return cls(name=d["name"], spacing=tuple(d["spacing"]), shape=tuple(d["shape"]), foreground=foreground)
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """The options that shape a plan, and the device's budget for the patch and the network."""
+
+    orientation: str = "RAS"  # RAS or none
+    spacing: str | tuple[float, float, float] = "auto"  # auto (nnU-Net's rule), none (as stored) or given
+    crop: str = "nonzero"  # nonzero or none
+    patch_voxels: int  # the device's patch budget (its default patch's voxel count)
+    widths: tuple[int, int]  # (channels of the first level, the most any level gets); doubled per level
+    max_levels: int
+    patch_size: tuple[int, int, int] | None = None  # given with --patch-size
+    features: tuple[int, ...] | None = None  # given with --features (their count fixes the levels)
+
+
 def fingerprint_arrays(
     name: str,
     image: np.ndarray,
     affine: np.ndarray,
     label: np.ndarray,
     modalities: Sequence[str],
-    orientation: str,
-    crop: str,
+    request: PlanRequest,
 ) -> Fingerprint:
-    """Measure one case (image (C, X, Y, Z) and label as read, the image's affine); CT channels contribute up
-    to FOREGROUND_SAMPLES foreground intensities, drawn with a seed of the case's name."""
-    ornt = canonical_ornt(affine) if orientation == "RAS" else IDENTITY_ORNT
+    """Measure one case (image (C, X, Y, Z) and label as read, the image's affine) in the request's orientation
+    and crop; CT channels contribute up to FOREGROUND_SAMPLES foreground intensities, drawn with a seed of
+    the case's name."""
+    ornt = canonical_ornt(affine) if request.orientation == "RAS" else IDENTITY_ORNT
     image = reorient(image, ornt)
-    box = nonzero_box(image) if crop == "nonzero" else tuple((0, s) for s in image.shape[1:])
+    box = nonzero_box(image) if request.crop == "nonzero" else tuple((0, s) for s in image.shape[1:])
     rng = np.random.default_rng(int(hashlib.sha1(name.encode()).hexdigest()[:8], 16))
     foreground = {}
     where = label > 0
@@ -111,20 +125,6 @@ def target_spacing(
     tenth = float(np.percentile(spacings[:, worst], 10))
     target[worst] = max(tenth, max(target[a] for a in others) + 1e-5)
     return tuple(float(t) for t in target), f"median, axis {worst} at its 10th percentile (anisotropic data)"
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanRequest:
-    """The options that shape a plan, and the device's budget for the patch and the network."""
-
-    orientation: str = "RAS"  # RAS or none
-    spacing: str | tuple[float, float, float] = "auto"  # auto (nnU-Net's rule), none (as stored) or given
-    crop: str = "nonzero"  # nonzero or none
-    patch_voxels: int  # the device's patch budget (its default patch's voxel count)
-    widths: tuple[int, int]  # (channels of the first level, the most any level gets); doubled per level
-    max_levels: int
-    patch_size: tuple[int, int, int] | None = None  # given with --patch-size
-    features: tuple[int, ...] | None = None  # given with --features (their count fixes the levels)
 
 
 @dataclass(frozen=True, kw_only=True)

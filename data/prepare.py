@@ -119,14 +119,12 @@ def inspect(run: RunData, request: PlanRequest, shard: int = 0, num_shards: int 
     fingerprinted (fingerprints are kept in the cache, so a second run reads no image)."""
     problems = missing_files(run.spec.training) + split_problems(run.spec, len(run.val), run.fold_all)
     root = run.cache_root
-    return problems + fingerprint_cases(
-        _present(run), run.spec, request.orientation, request.crop, root, shard, num_shards
-    )
+    return problems + fingerprint_cases(_present(run), run.spec, request, root, shard, num_shards)
 
 
 def plan_data(run: RunData, request: PlanRequest) -> Plan:
     """The plan for this run's training cases, from the fingerprints `inspect` left."""
-    found = load_fingerprints(run.spec.training, request.orientation, request.crop, run.cache_root)
+    found = load_fingerprints(run.spec.training, request, run.cache_root)
     return make_plan(found, run.spec.modalities, request)
 
 

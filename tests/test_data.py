@@ -17,7 +17,7 @@ from data.dataset import EpochSampler, PatchDataset
 from data.msd import load_dataset_json, split_cases
 from data.nifti import load_image, load_label, spacing
 from data.patches import PreparedCase, foreground_coords, sample_patch
-from data.plan import legacy_plan
+from data.plan import PlanRequest, legacy_plan
 from data.preprocess import normalize
 from data.synthetic import write_synthetic_dataset
 
@@ -310,6 +310,55 @@ def test_checks_report_every_broken_case(tmp_path):
     bad_shape = (np.zeros((4, 4, 4), np.float32), np.zeros((4, 4, 5), np.uint8))
     root = write_msd(tmp_path / "d", {"good": good, "bad1": bad_shape, "bad2": bad_shape})
     spec = load_dataset_json(root)
-    errors = fingerprint_cases(spec.training, spec, "RAS", "nonzero", tmp_path / "cache", 0, 1)
+    errors = fingerprint_cases(
+        spec.training, spec, PlanRequest(patch_voxels=64, widths=(4, 8), max_levels=2), tmp_path / "cache", 0, 1
+    )
     assert len(errors) == 2 and all("spatial shape (4, 4, 4)" in e and "(4, 4, 5)" in e for e in errors)
     assert {e.split(":")[0] for e in errors} == {"bad1", "bad2"}
+
+
+def test_spatial_augmentation_keeps_the_label_on_the_transformed_sphere():
+    """A labelled sphere, rotated and scaled with its label: the label still covers the sphere in the image."""
+    from data.augment import sample_transformed, spatial_transform
+
+    shape, radius = np.array([48, 48, 40]), 10.0
+    grid = np.stack(np.meshgrid(*[np.arange(n) for n in shape], indexing="ij"))
+    centre = np.array([20.0, 26.0, 18.0])  # off the volume's centre
+    inside = ((grid - centre.reshape(3, 1, 1, 1)) ** 2).sum(0) <= radius**2
+    image, label = inside[None].astype(np.float32) * 10.0, inside.astype(np.uint8)
+    transforms = [m for m in (spatial_transform(np.random.default_rng(s)) for s in range(200)) if m is not None]
+    assert len(transforms) > 40, "rotations and scalings do happen"
+    patch = np.array([32, 32, 24])
+    for matrix in transforms[:10] + [np.diag([1.3, 1.3, 1.3]) @ _rotation(0.5)]:
+        aug_image, aug_label = sample_transformed(image, label, centre + 1.5, patch, matrix)
+        assert aug_image.shape == (1, *patch) and aug_label.shape == tuple(patch)
+        sphere = aug_image[0] > 5
+        assert sphere.sum() > 100
+        overlap = 2 * (sphere & (aug_label == 1)).sum() / (sphere.sum() + (aug_label == 1).sum())
+        assert overlap > 0.95, "the label moves with the image"
+        # and it is where the transform puts the sphere: offset 1.5 from the centre, radius / scale
+        offsets = np.stack(np.meshgrid(*[np.arange(p) - (p - 1) / 2 for p in patch], indexing="ij"))
+        world = np.tensordot(matrix, offsets, axes=1) + 1.5
+        expected = (world**2).sum(0) <= radius**2
+        assert 2 * (expected & sphere).sum() / (expected.sum() + sphere.sum()) > 0.95
+
+
+def _rotation(angle: float) -> np.ndarray:
+    c, s = np.cos(angle), np.sin(angle)
+    return np.array([[c, -s, 0], [s, c, 0], [0, 0, 1]])
+
+
+def test_nnunet_intensity_augmentation_leaves_the_label_alone():
+    rng = np.random.default_rng(0)
+    label = rng.integers(0, 3, (16, 16, 12)).astype(np.uint8)
+    image = np.stack([label.astype(np.float32), rng.normal(size=label.shape).astype(np.float32)])
+    changed = 0
+    for seed in range(30):
+        aug_image, aug_label = augment(image.copy(), label.copy(), np.random.default_rng(seed), "nnunet")
+        assert aug_image.shape == image.shape and np.isfinite(aug_image).all()
+        flipped = [
+            a for a in range(3) if not np.array_equal(aug_label, label) and np.array_equal(aug_label, np.flip(label, a))
+        ]
+        assert np.array_equal(aug_label, label) or flipped or aug_label.sum() == label.sum(), "only flips move it"
+        changed += not np.allclose(aug_image, image)
+    assert changed > 20

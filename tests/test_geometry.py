@@ -249,13 +249,13 @@ def test_target_spacing_follows_nnunets_rule(spacings, shapes, expected, rule):
 def test_a_plan_for_thick_slices_pools_in_plane_first_and_has_dataset_ct_statistics():
     rng = np.random.default_rng(0)
     cases = []
+    request = PlanRequest(patch_voxels=48 * 48 * 32, widths=(8, 64), max_levels=5)
     for i in range(4):
         label = np.zeros((60, 60, 12), np.uint8)
         label[20:40, 20:40, 4:8] = 1
         image = rng.normal(-500, 50, label.shape).astype(np.float32) + 540.0 * label  # ~40 HU foreground
         affine = np.diag([0.8, 0.8, 5.0, 1.0])
-        cases.append(fingerprint_arrays(f"c{i}", image[None], affine, label, ["CT"], "RAS", "nonzero"))
-    request = PlanRequest(patch_voxels=48 * 48 * 32, widths=(8, 64), max_levels=5)
+        cases.append(fingerprint_arrays(f"c{i}", image[None], affine, label, ["CT"], request))
     made = make_plan(cases, ["CT"], request)
     assert made.spacing == (0.8, 0.8, 5.0) and made.strides[1] == (2, 2, 1) and made.kernels[0] == (3, 3, 1)
     ct = made.normalization[0]

@@ -180,3 +180,25 @@ def test_topology_for_thick_slices_pools_in_plane_first():
     assert isotropic == [(1, 1, 1)] + [(2, 2, 2)] * 5 and isotropic_kernels == [(3, 3, 3)] * 6
     _, short = plan_topology((1.0, 1.0, 1.0), (128, 128, 16), 6)
     assert [s[2] for s in short] == [1, 2, 2, 1, 1, 1], "an axis is not pooled below 4 voxels"
+
+
+def test_deep_supervision_outputs_targets_and_weights():
+    from unet3d.loss import DeepSupervisionLoss, DiceCELoss, build_loss, supervision_weights
+
+    model = UNet3D(1, 3, (4, 8, 16, 32, 32), strides=[1, (2, 2, 1), 2, 2, 2], deep_supervision=True)
+    assert model.supervision_scales() == [(1, 1, 1), (2, 2, 1), (4, 4, 2)]
+    outputs = model(torch.randn(2, 1, 32, 32, 16))
+    assert [tuple(o.shape) for o in outputs] == [(2, 3, 32, 32, 16), (2, 3, 16, 16, 16), (2, 3, 8, 8, 8)]
+    weights = supervision_weights(3)
+    assert weights == pytest.approx([4 / 7, 2 / 7, 1 / 7]) and sum(weights) == pytest.approx(1)
+    loss = build_loss("dice_ce", model)
+    assert isinstance(loss, DeepSupervisionLoss) and loss.weights == weights
+    label = torch.randint(0, 3, (2, 32, 32, 16))
+    targets = loss.targets(label)
+    assert [tuple(t.shape) for t in targets] == [(2, 32, 32, 16), (2, 16, 16, 16), (2, 8, 8, 8)]
+    assert torch.equal(targets[2], label[:, ::4, ::4, ::2]), "nearest neighbour: every s-th voxel"
+    expected = sum(w * DiceCELoss()(o, t) for w, o, t in zip(weights, outputs, targets))
+    torch.testing.assert_close(loss(outputs, label), expected)
+    model.eval()
+    assert isinstance(model(torch.randn(1, 1, 32, 32, 16)), torch.Tensor), "inference sees the full resolution only"
+    assert not UNet3D(1, 3, (4, 8, 16)).aux_heads and not isinstance(build_loss("dice"), DeepSupervisionLoss)

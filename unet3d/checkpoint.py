@@ -133,6 +133,7 @@ def infer_model_args(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         "features": features,
         "kernels": kernels,
         "strides": strides,
+        "deep_supervision": "aux_heads.0.weight" in state_dict,
     }
 
 

@@ -66,9 +66,44 @@ class DiceCELoss(nn.Module):
         return self.dice(logits, target) + F.cross_entropy(logits.float(), target.long())
 
 
-def build_loss(name: str) -> nn.Module:
-    """`dice` or `dice_ce` -> the loss module."""
+def build_loss(name: str, model: nn.Module | None = None) -> nn.Module:
+    """`dice` or `dice_ce` -> the loss module; over every output of a deeply supervised `model`."""
     losses = {"dice": DiceLoss, "dice_ce": DiceCELoss}
     if name not in losses:
         raise ValueError(f"unknown loss {name!r}; choose one of {sorted(losses)}")
-    return losses[name]()
+    loss = losses[name]()
+    if model is not None and getattr(model, "deep_supervision", False):
+        return DeepSupervisionLoss(loss, model.supervision_scales())
+    return loss
+
+
+def supervision_weights(count: int) -> list[float]:
+    """nnU-Net's weights of deep-supervision outputs, finest first: halved per level, normalised to 1 (the
+    outputs here already leave out the coarsest decoder level, which nnU-Net weights 0)."""
+    weights = [0.5**i for i in range(count)]
+    return [w / sum(weights) for w in weights]
+
+
+class DeepSupervisionLoss(nn.Module):
+    """`loss` on each output of a deeply supervised model against the label downsampled to its resolution
+    (nearest neighbour: every s-th voxel), weighted by `supervision_weights`.
+
+    Args:
+        loss: maps (logits (B, C, *size), target (B, *size)) to a scalar.
+        scales: each output's downsampling factor per axis (`UNet3D.supervision_scales()`), finest first.
+    """
+
+    def __init__(self, loss: nn.Module, scales: list[tuple[int, int, int]]) -> None:
+        super().__init__()
+        self.loss = loss
+        self.scales = [tuple(s) for s in scales]
+        self.weights = supervision_weights(len(scales))
+
+    def targets(self, target: torch.Tensor) -> list[torch.Tensor]:
+        """The label (B, X, Y, Z) at every output's resolution."""
+        return [target[:, :: s[0], :: s[1], :: s[2]] for s in self.scales]
+
+    def forward(self, outputs: torch.Tensor | list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        if isinstance(outputs, torch.Tensor):
+            return self.loss(outputs, target)  # eval mode: the full-resolution logits only
+        return sum(w * self.loss(o, t) for w, o, t in zip(self.weights, outputs, self.targets(target)))

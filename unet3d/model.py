@@ -111,6 +111,9 @@ class UNet3D(nn.Module):
         strides: per level, the stride that reaches it from the level above (the first is 1; default 2
             elsewhere). A stride of 1 on an axis keeps that axis's size: in-plane-only pooling while the voxels
             are still anisotropic, as planned by `plan_topology`.
+        deep_supervision: in training mode, also return logits from the decoder's coarser levels (1 to
+            levels - 3, as nnU-Net supervises them: its coarsest output has weight 0), finest first; in eval
+            mode the model returns the full-resolution logits only.
 
     Input sizes must be divisible by `size_divisor` (the product of the strides) on each axis. Setting
     `grad_checkpoint = True` recomputes each encoder and decoder block's activations during the backward
@@ -124,6 +127,7 @@ class UNet3D(nn.Module):
         features: Sequence[int] = (32, 64, 128, 256, 320),
         kernels: Sequence[int | Sequence[int]] | None = None,
         strides: Sequence[int | Sequence[int]] | None = None,
+        deep_supervision: bool = False,
     ) -> None:
         super().__init__()
         features = tuple(int(f) for f in features)
@@ -151,6 +155,12 @@ class UNet3D(nn.Module):
             [UpBlock(features[i + 1], features[i], kernels[i], strides[i + 1]) for i in reversed(range(levels - 1))]
         )
         self.head = nn.Conv3d(features[0], num_classes, kernel_size=1)
+        self.deep_supervision = deep_supervision
+        self.aux_heads = nn.ModuleList(
+            [nn.Conv3d(features[i], num_classes, kernel_size=1) for i in range(1, levels - 2)]
+            if deep_supervision
+            else []
+        )
         self.grad_checkpoint = False
 
     @property
@@ -158,8 +168,16 @@ class UNet3D(nn.Module):
         """Every spatial input size must be a multiple of this, per axis."""
         return tuple(math.prod(s[axis] for s in self.strides) for axis in range(3))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, in_channels, D, H, W) -> logits (B, num_classes, D, H, W)."""
+    def supervision_scales(self) -> list[Triple]:
+        """The downsampling factor per axis of each output `forward` returns in training mode, finest first."""
+        scales = [(1, 1, 1)]
+        for level in range(1, len(self.aux_heads) + 1):
+            scales.append(tuple(math.prod(s[a] for s in self.strides[: level + 1]) for a in range(3)))
+        return scales
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        """(B, in_channels, D, H, W) -> logits (B, num_classes, D, H, W); with deep supervision in training
+        mode a list: those, then (B, num_classes, D/s, H/s, W/s) for each of `supervision_scales()[1:]`."""
         if x.ndim != 5 or x.shape[1] != self.in_channels:
             raise ValueError(f"expected input (B, {self.in_channels}, D, H, W), got {tuple(x.shape)}")
         if any(s % d for s, d in zip(x.shape[2:], self.size_divisor)):
@@ -172,11 +190,17 @@ class UNet3D(nn.Module):
             x = _run(block, min(s // st for s, st in zip(x.shape[2:], block.stride)), self.grad_checkpoint, x)
             skips.append(x)
         skips.pop()  # the bottleneck output is x itself
-        for up in self.decoder:
+        supervise = self.deep_supervision and self.training
+        aux = []
+        for i, up in enumerate(self.decoder):
             x = _run(up, min(x.shape[2:]), self.grad_checkpoint, x, skips.pop())
+            level = len(self.decoder) - 1 - i
+            if supervise and 1 <= level <= len(self.aux_heads):
+                aux.append(self.aux_heads[level - 1](x.contiguous()))
         # The 1x1x1 head runs channels-first whatever the model's memory format (see unet3d.precision): a
         # no-op for contiguous activations, a cheap copy of the last feature map for channels-last ones.
-        return self.head(x.contiguous())
+        logits = self.head(x.contiguous())
+        return [logits, *reversed(aux)] if supervise else logits
 
 
 def fit_patch(patch: Sequence[int], shape: Sequence[float], divisor: Sequence[int]) -> Triple:

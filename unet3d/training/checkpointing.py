@@ -28,7 +28,7 @@ from unet3d.training.state import TrainState
 LAST, PREVIOUS, BEST = "last.pt", "previous.pt", "best.pt"
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "best_metric", "config", "model_args")
 # A checkpoint of another architecture, class set or patch cannot be continued.
-STRICT_FIELDS = ("features", "patch_size", "fold")
+STRICT_FIELDS = ("features", "patch_size", "fold", "deep_supervision")
 # Continuing in the middle of an epoch needs the epoch's sample order: the same sharding and batches.
 POSITION_FIELDS = ("batch_size", "samples_per_epoch", "seed")
 # Settings that may change between runs without a word.
@@ -130,7 +130,7 @@ def check_compatible(
         if state["model_args"][name] != model_args[name]:
             errors.append(f"{name} (checkpoint {state['model_args'][name]}, now {model_args[name]})")
     for name in STRICT_FIELDS:
-        if _plain(saved.get(name)) != _plain(config[name]):
+        if name in saved and _plain(saved[name]) != _plain(config[name]):  # (absent: older than the option)
             errors.append(f"{name} (checkpoint {_plain(saved.get(name))}, now {_plain(config[name])})")
     if config["fold"] is not None and saved.get("folds") != config["folds"]:  # another fold's cases
         errors.append(f"folds (checkpoint {saved.get('folds')}, now {config['folds']})")

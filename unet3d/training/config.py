@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from data.augment import AUGMENTATIONS
 from data.plan import CROPS, ORIENTATIONS, Plan, PlanRequest
 from data.prepare import DataConfig
 from data.synthetic import GEOMETRIES
@@ -26,6 +27,8 @@ CHOICES = {
     "orientation": ORIENTATIONS,
     "crop": CROPS,
     "synthetic_geometry": GEOMETRIES,
+    "deep_supervision": ("auto", "on", "off"),
+    "augmentation": ("auto", *AUGMENTATIONS),
 }
 
 # Defaults by device type. GPUs get nnU-Net's 3d_fullres width and a large patch; the CPU defaults are
@@ -39,6 +42,8 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
         "epochs": 1000,
         "samples_per_epoch": 500,
         "momentum": 0.99,
+        "deep_supervision": "on",
+        "augmentation": "nnunet",
     },
     "cpu": {
         "features": (8, 16, 32, 64),
@@ -46,6 +51,8 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
         "epochs": 16,
         "samples_per_epoch": 128,
         "momentum": 0.95,
+        "deep_supervision": "off",
+        "augmentation": "basic",
     },
 }
 
@@ -134,6 +141,14 @@ class TrainConfig:
     )
     compile: bool = _f(False, "torch.compile the model (slow to start, faster steps on GPUs)")
     grad_checkpoint: bool = _f(False, "recompute block activations in the backward pass: less memory, larger patches")
+    deep_supervision: str = _f(
+        "auto", "supervise the decoder's coarser levels too, with nnU-Net's weights: on, off, auto (by device)"
+    )
+    augmentation: str = _f(
+        "auto",
+        "patch augmentation: basic (mirroring, intensity), nnunet (plus rotation, scaling, noise, blur, "
+        "contrast, low resolution), auto (by device)",
+    )
     fg_fraction: float = _f(1 / 3, "share of patches centred on a foreground voxel")
     val_every: int = _f(1, "validate every this many epochs (and after the last)")
     val_overlap: float = _f(0.5, "sliding-window overlap during validation")
@@ -277,6 +292,8 @@ def resolve(
         samples_per_epoch=math.ceil(samples / step) * step,
         lr=cfg.lr or (0.01 if cfg.optimizer == "sgd" else 1e-3),
         momentum=cfg.momentum if cfg.momentum is not None else defaults["momentum"],
+        deep_supervision=defaults["deep_supervision"] if cfg.deep_supervision == "auto" else cfg.deep_supervision,
+        augmentation=defaults["augmentation"] if cfg.augmentation == "auto" else cfg.augmentation,
         num_workers=cfg.num_workers
         if cfg.num_workers is not None
         else default_num_workers(cpu_count, local_world_size),

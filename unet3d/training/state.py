@@ -133,7 +133,8 @@ class TrainState:
 
 def build_state(rt: Runtime, run: RunData) -> TrainState:
     """A fresh TrainState for the run's data and plan on this rank's device, laid out in its memory format."""
-    args = run.plan.model_args(run.spec.in_channels, run.spec.num_classes)
+    args = {**run.plan.model_args(run.spec.in_channels, run.spec.num_classes)}
+    args["deep_supervision"] = rt.cfg.deep_supervision == "on"
     torch.manual_seed(rt.cfg.seed)  # the same initial weights on every rank (DDP would broadcast them anyway)
     model = apply_memory_format(UNet3D(**args).to(rt.device), rt.memory_format)
     model.grad_checkpoint = rt.cfg.grad_checkpoint
