@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -100,6 +101,7 @@ def write_dataset(root: Path, train: int = 12, test: int = 4, seed: int = 0) -> 
 
 
 def ours(data: Path, out: Path, budget: float, ranks: int, extra: list[str]) -> dict:
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run: an earlier one's last.pt would be resumed
     command = ["bash", "launch.sh", f"cpu:{ranks}", "--data-dir", str(data), "--out-dir", str(out)]
     command += ["--time-limit", str(budget), "--epochs", "100000", "--cache-dir", str(out.parent / "cache"), *extra]
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -118,6 +120,7 @@ def ours(data: Path, out: Path, budget: float, ranks: int, extra: list[str]) -> 
 
 
 def monai(data: Path, out: Path, budget: float, ranks: int) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
     command = ["torchrun", "--standalone", "--nproc-per-node", str(ranks), str(REPO / "benchmarks" / "monai_recipe.py")]
     env = {
         **os.environ,
