@@ -32,7 +32,7 @@ RUNS = {
 def run(name: str, extra: list[str], args: argparse.Namespace) -> dict:
     out = Path(args.out) / name.replace(", ", "-").replace(" ", "-")
     command = ["bash", "launch.sh", "cpu:2", "--out-dir", str(out), "--time-limit", str(args.time_limit)]
-    command += ["--synthetic-dir", str(Path(args.out) / "synthetic"), "--epochs", "1000", *extra]
+    command += ["--synthetic-dir", str(Path(args.out) / "synthetic"), *extra]
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     evaluate = [sys.executable, "evaluate.py", "--checkpoint", str(out / "checkpoints" / "best.pt")]
     subprocess.run([*evaluate, "--split", "test", "--device", "cpu", "--out-dir", str(out / "eval_test")], cwd=REPO,

@@ -103,7 +103,7 @@ def write_dataset(root: Path, train: int = 12, test: int = 4, seed: int = 0) -> 
 def ours(data: Path, out: Path, budget: float, ranks: int, extra: list[str]) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # a fresh run: an earlier one's last.pt would be resumed
     command = ["bash", "launch.sh", f"cpu:{ranks}", "--data-dir", str(data), "--out-dir", str(out)]
-    command += ["--time-limit", str(budget), "--epochs", "100000", "--cache-dir", str(out.parent / "cache"), *extra]
+    command += ["--time-limit", str(budget), "--cache-dir", str(out.parent / "cache"), *extra]
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoint = out / "checkpoints" / ("best.pt" if (out / "checkpoints" / "best.pt").exists() else "last.pt")
     evaluate = [sys.executable, "evaluate.py", "--checkpoint", str(checkpoint), "--split", "test", "--device", "cpu"]

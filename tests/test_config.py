@@ -9,6 +9,7 @@ import pytest
 from data.plan import Fingerprint, make_plan
 from unet3d.training.config import (
     DEVICE_DEFAULTS,
+    UNTIL_TIME_LIMIT,
     TrainConfig,
     build_parser,
     default_num_workers,
@@ -16,6 +17,9 @@ from unet3d.training.config import (
     plan_request,
     resolve,
 )
+from unet3d.training.epoch import EpochStats
+from unet3d.training.report import epoch_summary
+from unet3d.training.timing import EpochTiming
 
 
 def test_every_field_is_an_option():
@@ -74,6 +78,18 @@ def test_resolve_fills_device_defaults():
     assert cpu.features == DEVICE_DEFAULTS["cpu"]["features"] and cpu.patch_size == (48, 48, 32)
     assert cpu.num_workers == 1 and cpu.momentum == 0.95
     assert resolve(TrainConfig(momentum=0.5), cpu_plan, "cpu", 1, 2, 1).momentum == 0.5
+    assert cpu.epochs == DEVICE_DEFAULTS["cpu"]["epochs"] == 16
+
+
+def test_a_time_limit_without_epochs_trains_until_the_budget_is_spent():
+    plan = planned(TrainConfig(), "cpu", (64, 64, 40))
+    timed = resolve(TrainConfig(time_limit=240), plan, "cpu", 2, 2, 2)
+    assert timed.epochs == UNTIL_TIME_LIMIT, "the budget, not the device's epoch count, ends the run"
+    assert resolve(TrainConfig(time_limit=240, epochs=3), plan, "cpu", 2, 2, 2).epochs == 3
+    timing = EpochTiming([[0.1, 1.0, 0.1, 4, 0, 1, 1]] * 2, ["host, cpu"] * 2)
+    stats = EpochStats(7, 0.5, 8, 2.0, 1e-3, 4, 0, 0, None, timing, [])
+    assert epoch_summary(timed.epochs, stats, None, ["bg", "a"], False).startswith("epoch 7:")
+    assert epoch_summary(16, stats, None, ["bg", "a"], False).startswith("epoch 7/16:")
 
 
 def test_resolve_takes_the_planned_patch_and_keeps_explicit_values():

@@ -35,6 +35,10 @@ CHOICES = {
 # sized so that the quick start learns the synthetic task in a few minutes on two cores. The plan takes
 # its patch's voxel count as the budget, and the first and last widths (doubling per level) with at most
 # as many levels as given here; the patch follows the data (`data.plan.plan_network`).
+# Epochs of a run with --time-limit and no --epochs: the budget decides how much training fits, so one
+# command gives a slow CPU and a fast one each the most their time allows (the learning rate anneals over it).
+UNTIL_TIME_LIMIT = 1_000_000
+
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {
         "features": (32, 64, 128, 256, 320, 320),
@@ -115,7 +119,9 @@ class TrainConfig:
         nargs="+",
     )
     batch_size: int = _f(2, "patches per step per process (the global batch is this times the world size)")
-    epochs: int | None = _f(None, "number of epochs (default: by device)")
+    epochs: int | None = _f(
+        None, "number of epochs (default: by device; with --time-limit, as many as the budget allows)"
+    )
     samples_per_epoch: int | None = _f(
         None,
         "patches per epoch over all ranks (default: by device); "
@@ -288,7 +294,7 @@ def resolve(
         cfg,
         features=tuple(cfg.features or plan.features),
         patch_size=tuple(cfg.patch_size or plan.patch_size),
-        epochs=cfg.epochs or defaults["epochs"],
+        epochs=cfg.epochs or (UNTIL_TIME_LIMIT if cfg.time_limit is not None else defaults["epochs"]),
         samples_per_epoch=math.ceil(samples / step) * step,
         lr=cfg.lr or (0.01 if cfg.optimizer == "sgd" else 1e-3),
         momentum=cfg.momentum if cfg.momentum is not None else defaults["momentum"],

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from unet3d.inference.pictures import overlay
 from unet3d.training.checkpointing import BEST, LAST, checkpoint_dir
+from unet3d.training.config import UNTIL_TIME_LIMIT
 from unet3d.training.epoch import EpochStats
 from unet3d.training.logs import get_logger
 from unet3d.training.runtime import Runtime
@@ -52,7 +53,8 @@ def epoch_summary(
     An epoch cut short by a stop reads "epoch 3/10 stopped at step 7: ..." so that "epoch 3/10:" appears
     once per completed epoch.
     """
-    where = f"epoch {stats.epoch}/{epochs}" + (f" stopped at step {stats.steps_done}" if stats.stopped else "")
+    of = "" if epochs >= UNTIL_TIME_LIMIT else f"/{epochs}"
+    where = f"epoch {stats.epoch}{of}" + (f" stopped at step {stats.steps_done}" if stats.stopped else "")
     line = (
         f"{where}: loss {stats.loss:.4f}, lr {stats.lr:.2e}, {stats.seconds:.1f} s, {stats.samples_per_s:.1f} samples/s"
         f", {stats.timing.line()}"
