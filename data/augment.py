@@ -27,21 +27,32 @@ P_BLUR, BLUR_SIGMA = 0.2, (0.5, 1.0)  # per sample; then each channel with proba
 P_CONTRAST, CONTRAST_RANGE = 0.15, (0.75, 1.25)
 P_LOWRES, LOWRES_ZOOM = 0.25, (0.5, 1.0)  # per sample; then each channel with probability 0.5
 P_INVERTED_GAMMA = 0.1
+ANISOTROPY_LIMIT = 3  # a patch whose longest side exceeds its shortest this many times is transformed in-plane
 
 
-def spatial_transform(rng: np.random.Generator) -> np.ndarray | None:
-    """A random 3x3 map from patch offsets to volume offsets (rotation and scaling), or None for none."""
+def spatial_transform(rng: np.random.Generator, patch_size: tuple[int, ...] = (1, 1, 1)) -> np.ndarray | None:
+    """A random 3x3 map from patch offsets to volume offsets (rotation and scaling), or None for none.
+
+    A strongly anisotropic patch (its longest side more than ANISOTROPY_LIMIT times its shortest, as on thick
+    slices whose thick axis the plan does not pool) is transformed in-plane only, as nnU-Net does: rotated
+    about its short axis and scaled across it, so a thick slice never tilts into its neighbours."""
+    thin = int(np.argmin(patch_size)) if max(patch_size) > ANISOTROPY_LIMIT * min(patch_size) else None
     matrix = np.eye(3)
     if rng.random() < P_ROTATE:
         for axis in range(3):
             angle = rng.uniform(-MAX_ANGLE, MAX_ANGLE)
+            if thin is not None and axis != thin:
+                continue  # the angle is still drawn: the generator's stream does not depend on the patch
             c, s = math.cos(angle), math.sin(angle)
             rotation = np.eye(3)
             i, j = [a for a in range(3) if a != axis]
             rotation[i, i], rotation[i, j], rotation[j, i], rotation[j, j] = c, -s, s, c
             matrix = rotation @ matrix
     if rng.random() < P_ZOOM:
-        matrix = matrix * rng.uniform(*ZOOM_RANGE)
+        zoom = np.full(3, rng.uniform(*ZOOM_RANGE))
+        if thin is not None:
+            zoom[thin] = 1.0
+        matrix = matrix * zoom  # scales the patch's axes: columns
     return None if np.array_equal(matrix, np.eye(3)) else matrix
 
 

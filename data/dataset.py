@@ -67,7 +67,7 @@ class PatchDataset(Dataset):
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
         case_idx, force_fg, rng = self.plan(epoch, index)
-        matrix = spatial_transform(rng) if self.augmentation == "nnunet" else None
+        matrix = spatial_transform(rng, self.patch_size) if self.augmentation == "nnunet" else None
         image, label = sample_patch(self.cases[case_idx], self.patch_size, rng, force_fg, matrix)
         image, label = augment(image, label, rng, self.augmentation)
         return torch.from_numpy(image), torch.from_numpy(label)

@@ -343,6 +343,21 @@ def test_spatial_augmentation_keeps_the_label_on_the_transformed_sphere():
         assert 2 * (expected & sphere).sum() / (expected.sum() + sphere.sum()) > 0.95
 
 
+def test_an_anisotropic_patch_is_rotated_and_scaled_in_plane_only():
+    """Thick slices (a patch of 40x40x8, the plan not pooling z): the thick axis maps to itself, as nnU-Net's
+    in-plane augmentation; a near-isotropic patch gets out-of-plane rotations too."""
+    from data.augment import spatial_transform
+
+    thick = [m for m in (spatial_transform(np.random.default_rng(s), (40, 40, 8)) for s in range(300)) if m is not None]
+    assert len(thick) > 60
+    for m in thick:
+        assert np.allclose(m[:, 2], [0, 0, 1]) and np.allclose(m[2, :], [0, 0, 1]), m
+    assert any(abs(m[0, 1]) > 0.1 for m in thick), "in-plane rotations happen"
+    assert any(abs(m[0, 0] - 1) > 0.1 and abs(m[0, 1]) < 1e-12 for m in thick), "in-plane scalings happen"
+    cube = [m for m in (spatial_transform(np.random.default_rng(s), (32, 32, 24)) for s in range(300)) if m is not None]
+    assert any(abs(m[2, 0]) > 0.1 or abs(m[2, 1]) > 0.1 for m in cube), "out-of-plane rotations on a cube"
+
+
 def _rotation(angle: float) -> np.ndarray:
     c, s = np.cos(angle), np.sin(angle)
     return np.array([[c, -s, 0], [s, c, 0], [0, 0, 1]])
