@@ -128,3 +128,9 @@ def test_readme_documents_every_option():
     missing = [a.option_strings[0] for a in build_parser()._actions if a.option_strings[0] != "-h"]
     missing = [opt for opt in missing if f"`{opt}" not in readme]
     assert not missing, f"README.md does not document {missing}"
+
+
+def test_more_levels_than_the_patch_allows_is_refused_in_plain_numbers():
+    with pytest.raises(ValueError) as err:
+        planned(TrainConfig(features=(8, 16, 32, 64, 128), patch_size=(40, 40, 40)), "cpu", (90, 100, 90), (2, 2, 2))
+    assert "asks for 5 levels, but a patch of [40, 40, 40] at [2.0, 2.0, 2.0] mm allows 4" in str(err.value)
