@@ -22,7 +22,13 @@ from data.dataset import close_loader
 from unet3d.checkpoint import load_checkpoint
 from unet3d.loss import build_loss
 from unet3d.training import dist
-from unet3d.training.checkpointing import check_resumable, resume, resume_source, save_checkpoints
+from unet3d.training.checkpointing import (
+    check_resumable,
+    follow_checkpoint,
+    resume,
+    resume_source,
+    save_checkpoints,
+)
 from unet3d.training.config import TrainConfig, parse_args
 from unet3d.training.control import StepControl, TimeBudget, TrainingError, fail_alone, fail_together
 from unet3d.training.epoch import train_one_epoch
@@ -63,6 +69,7 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     checkpoint = load_checkpoint(source, info.device) if source is not None else None
 
     # Data: checked, planned and cached by the ranks together; each rank validates its own share.
+    cfg = follow_checkpoint(cfg, checkpoint)
     data = prepare_data(cfg, info, checkpoint)
     train_cases, val_cases = open_cases(data, info)
     rt = make_runtime(cfg, info, data)

@@ -311,8 +311,9 @@ def plan_network(median_shape: Sequence[int], spacing: Sequence[float], request:
     kernels, strides = plan_topology(spacing, patch, levels)
     if request.features and len(strides) < levels:
         raise ValueError(
-            f"--features {list(request.features)} asks for {levels} levels, but a patch of {[int(p) for p in patch]} at "
-            f"{[round(float(s), 3) for s in spacing]} mm allows {len(strides)}: give fewer features or a larger patch"
+            f"--features {list(request.features)} asks for {levels} levels, but a patch of "
+            f"{[int(p) for p in patch]} at {[round(float(s), 3) for s in spacing]} mm allows {len(strides)}: "
+            "give fewer features or a larger patch"
         )
     divisor = [math.prod(s[a] for s in strides) for a in range(3)]
     if request.patch_size is None:

@@ -80,3 +80,29 @@ def test_no_validation_case_is_refused_before_training(shared, tmp_path):
     assert result.returncode == 2
     assert "holds out no validation case; raise --val-fraction" in result.stdout
     assert not (out / "logs").exists(), "no rank may start"
+
+
+def test_the_gpu_recipe_trains_evaluates_and_resumes_on_the_cpu(shared, tmp_path):
+    """The GPU defaults' ingredients (deep supervision, nnU-Net's augmentation) through every stage on two
+    gloo ranks: the checkpoint holds the auxiliary heads, evaluate.py reproduces the best validation, a
+    resumed run with `auto` follows the checkpoint's model (this device's default is off), and an explicit
+    change of the model is refused."""
+    out = tmp_path / "run"
+    recipe = ("--deep-supervision", "on", "--augmentation", "nnunet")
+    result = run(["bash", "launch.sh", "cpu:2", *options(shared, out), *recipe], timeout=300)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert "deep supervision on, augmentation nnunet" in result.stdout
+    best = check_trained(out, result.stdout, world=2)
+    assert best["model_args"]["deep_supervision"] is True
+    assert any(k.startswith("aux_heads.") for k in best["model"]), "the coarser levels' heads are saved"
+    summary = evaluate_val(out)
+    assert abs(summary["mean_dice"] - best["best_metric"]) < 1e-4, "the full-resolution output is what is scored"
+
+    resumed = run(["bash", "launch.sh", "cpu:2", *options(shared, out), "--epochs", "2"], timeout=300)
+    assert resumed.returncode == 0, f"stdout:\n{resumed.stdout}\nstderr:\n{resumed.stderr}"
+    assert "resumed from" in resumed.stdout and "epoch 2/2: loss" in resumed.stdout
+    assert "deep supervision on, augmentation basic" in resumed.stdout, "auto follows the checkpoint's model"
+
+    changed = run(["bash", "launch.sh", "cpu:2", *options(shared, out), "--epochs", "3", "--deep-supervision", "off"])
+    assert changed.returncode == 2, changed.stdout
+    assert "deep_supervision (checkpoint on, now off)" in changed.stdout

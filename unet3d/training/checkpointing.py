@@ -87,6 +87,16 @@ def saved_plan(checkpoint: dict[str, Any], spec: DatasetSpec) -> Plan:
     return legacy_plan(spec.modalities, cfg["patch_size"], cfg["features"])
 
 
+def follow_checkpoint(cfg: TrainConfig, checkpoint: dict[str, Any] | None) -> TrainConfig:
+    """`--deep-supervision auto` on a resumed run means the checkpoint's model (one older than the option
+    had none), whatever this device's default: the same weights continue. An explicit choice stays, and
+    `check_resumable` refuses one the checkpoint's model does not match."""
+    if checkpoint is None or cfg.deep_supervision != "auto":
+        return cfg
+    supervised = bool(checkpoint.get("model_args", {}).get("deep_supervision", False))
+    return dataclasses.replace(cfg, deep_supervision="on" if supervised else "off")
+
+
 def check_resumable(rt: Runtime, checkpoint: dict[str, Any], model_args: dict[str, Any], source: Path) -> None:
     """Refuse (CheckpointError naming every field) a checkpoint this run cannot continue; warn of settings
     that changed."""

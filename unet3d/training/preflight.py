@@ -11,7 +11,7 @@ import torch
 
 from data.prepare import DatasetError, build, in_processes, inspect, resolve_data
 from unet3d.checkpoint import CheckpointError
-from unet3d.training.checkpointing import check_compatible, find_resume
+from unet3d.training.checkpointing import check_compatible, find_resume, follow_checkpoint
 from unet3d.training.config import TrainConfig, plan_request
 from unet3d.training.dist import DistInfo
 from unet3d.training.loading import choose_plan
@@ -29,6 +29,7 @@ def preflight(cfg: TrainConfig) -> int:
     try:
         found = find_resume(cfg.resume, cfg.out_dir, "cpu", log.warning)
         checkpoint = found[1] if found is not None else None
+        cfg = follow_checkpoint(cfg, checkpoint)
         run = resolve_data(cfg.data(), lambda make: make())
         request = plan_request(cfg, device.type)
         processes = max(local_world, min(8, os.cpu_count() or 1))
