@@ -80,7 +80,8 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     if checkpoint is not None:
         check_resumable(rt, checkpoint, state.model_args, Path(source))
         resume(rt, state, checkpoint, Path(source))
-    state.budget = TimeBudget.for_job(rt.cfg.time_limit, state.budget, started, state.schedule.progress)
+    validates = rt.cfg.fold != "all"  # --fold all trains on every case: its budget keeps no room to validate
+    state.budget = TimeBudget.for_job(rt.cfg.time_limit, state.budget, started, state.schedule.progress, validates)
     model = wrap_for_training(rt, state.model)
     first_step = state.epoch * rt.steps_per_epoch + state.step
     loss_fn = inject_faults(build_loss(rt.cfg.loss, state.model), info.rank, first_step)

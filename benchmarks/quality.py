@@ -8,7 +8,9 @@ The data: the MNI ICBM152 2009c T1 template and its grey and white matter probab
 nilearn's wheel), at 2 mm, turned into "subjects" by random smooth deformations, intensity scaling, bias
 fields and noise, labelled grey matter / white matter where their probability is the largest, and written
 in the MSD layout (12 training subjects, 4 test subjects). Each recipe trains for `--budget` seconds on
-`--ranks` CPU processes, then the test subjects are scored (Dice per class, on their own grid).
+`--ranks` CPU processes on the same 12 training subjects (the project with `--fold all`: MONAI's recipe
+validates nothing either; `--validate` holds out 20 % for validation and scores `best.pt`, as a plain run
+does), then the test subjects are scored (Dice per class, on their own grid).
 """
 
 from __future__ import annotations
@@ -100,10 +102,12 @@ def write_dataset(root: Path, train: int = 12, test: int = 4, seed: int = 0) -> 
     return root
 
 
-def ours(data: Path, out: Path, budget: float, ranks: int, extra: list[str]) -> dict:
+def ours(data: Path, out: Path, budget: float, ranks: int, extra: list[str], validate: bool) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # a fresh run: an earlier one's last.pt would be resumed
     command = ["bash", "launch.sh", f"cpu:{ranks}", "--data-dir", str(data), "--out-dir", str(out)]
     command += ["--time-limit", str(budget), "--cache-dir", str(out.parent / "cache"), *extra]
+    if not validate:  # every training subject trains, as in MONAI's recipe, and nothing is held out
+        command += ["--fold", "all"]
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoint = out / "checkpoints" / ("best.pt" if (out / "checkpoints" / "best.pt").exists() else "last.pt")
     evaluate = [sys.executable, "evaluate.py", "--checkpoint", str(checkpoint), "--split", "test", "--device", "cpu"]
@@ -138,6 +142,12 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=2, help="CPU processes per recipe (default 2)")
     p.add_argument("--out", default="runs/quality", help="folder for the data and the runs")
     p.add_argument("--only", choices=("ours", "monai"), help="run one recipe (the other's last result is reused)")
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="hold out 20 %% of the training subjects for validation and score best.pt, as a plain run does "
+        "(the project then trains on fewer subjects than MONAI's recipe, which validates nothing)",
+    )
     p.add_argument("extra", nargs="*", help="options for train_ddp.py after --, e.g. -- --features 16 32 64 128")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -146,18 +156,21 @@ def main(argv=None) -> int:
     results = json.loads(results_file.read_text()) if results_file.exists() else {}
     began = time.time()
     if args.only != "monai":
-        results["ours"] = ours(data, out / f"ours-{args.budget:.0f}", args.budget, args.ranks, args.extra)
+        run = out / f"ours-{'validated-' if args.validate else ''}{args.budget:.0f}"
+        results["ours, validated" if args.validate else "ours"] = ours(
+            data, run, args.budget, args.ranks, args.extra, args.validate
+        )
     if args.only != "ours":
         results["monai"] = monai(data, out / f"monai-{args.budget:.0f}", args.budget, args.ranks)
     results_file.write_text(json.dumps(results, indent=2))
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())  # fmt: skip
     print(f"{cpu}, {args.ranks} CPU ranks, budget {args.budget:.0f} s per recipe ({time.time() - began:.0f} s in all)")
-    names = list(results["ours"]["per_class"]) if "ours" in results else list(results["monai"]["per_class"])
-    print(f"{'recipe':<10}{'steps':>8}" + "".join(f"{n:>16}" for n in names) + f"{'mean Dice':>12}")
+    names = list(next(iter(results.values()))["per_class"])
+    print(f"{'recipe':<18}{'steps':>8}" + "".join(f"{n:>16}" for n in names) + f"{'mean Dice':>12}")
     for recipe, r in results.items():
         cells = "".join(f"{r['per_class'][n]:>16.4f}" for n in names)
-        print(f"{recipe:<10}{r['steps']:>8}{cells}{r['mean_dice']:>12.4f}")
+        print(f"{recipe:<18}{r['steps']:>8}{cells}{r['mean_dice']:>12.4f}")
     if {"ours", "monai"} <= results.keys():
         print(f"margin (ours - MONAI): {results['ours']['mean_dice'] - results['monai']['mean_dice']:+.4f}")
     return 0

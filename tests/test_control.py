@@ -72,6 +72,9 @@ def test_time_budget_progress_and_reserve():
     assert budget.progress(1e6) == 1.0 and not budget.exhausted(50) and budget.exhausted(90)
     budget.plan_reserve(4.0)
     assert budget.reserve_s == pytest.approx(6 + 2 + EXIT_MARGIN_S)
+    never = TimeBudget.for_job(100, None, started=0.0, progress=0.0, validates=False)  # --fold all
+    assert never.reserve_s == pytest.approx(2 + EXIT_MARGIN_S), "no room kept for a validation that never comes"
+    assert TimeBudget.for_job(100, None, started=0.0, progress=0.0).reserve_s == pytest.approx(10 + 2 + EXIT_MARGIN_S)
 
 
 def test_duration_and_fault_parsing():

@@ -97,10 +97,11 @@ class TimeBudget:
     def exhausted(self, elapsed: float) -> bool:
         return elapsed + self.reserve_s >= self.limit_s
 
-    def plan_reserve(self, validation_s: float | None) -> None:
-        """Room for the final validation (1.5x the last one, or 10 % of the budget before any is measured),
-        the last checkpoint and the processes' exit."""
-        validation = 0.1 * self.limit_s if validation_s is None else 1.5 * validation_s
+    def plan_reserve(self, validation_s: float | None, validates: bool = True) -> None:
+        """Room for the final validation (1.5x the last one, or 10 % of the budget before any is measured;
+        none for a run that never validates, as with --fold all), the last checkpoint and the processes'
+        exit."""
+        validation = 0.0 if not validates else 0.1 * self.limit_s if validation_s is None else 1.5 * validation_s
         self.reserve_s = validation + 0.02 * self.limit_s + EXIT_MARGIN_S
 
     def state_dict(self) -> dict[str, Any]:
@@ -117,7 +118,7 @@ class TimeBudget:
 
     @classmethod
     def for_job(
-        cls, limit_s: float | None, saved: TimeBudget | None, started: float, progress: float
+        cls, limit_s: float | None, saved: TimeBudget | None, started: float, progress: float, validates: bool = True
     ) -> TimeBudget | None:
         """The --time-limit budget of this job: the saved one after a torchrun restart of the same job (same
         run id and limit), else a new one that counts from launch.sh's start (so its pre-flight and torchrun's
@@ -129,7 +130,7 @@ class TimeBudget:
             budget = cls(saved.limit_s, saved.start_wall, saved.start_progress, run_id)
         else:
             budget = cls(limit_s, float(os.environ.get("UNET3D_LAUNCH_TIME", started)), progress, run_id)
-        budget.plan_reserve(None)
+        budget.plan_reserve(None, validates)
         return budget
 
 
