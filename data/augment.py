@@ -112,7 +112,8 @@ def augment(
     Returns:
         augmented contiguous copies of image and label.
     """
-    image = np.array(image, dtype=np.float32)  # a writable copy
+    image = np.array(image, dtype=np.float32)  # writable copies: the patch may view a read-only memory map
+    label = np.array(label, dtype=np.uint8)
     full = level == "nnunet"
     if full and rng.random() < P_NOISE:
         image += rng.normal(0.0, math.sqrt(rng.uniform(*NOISE_VARIANCE)), image.shape).astype(np.float32)

@@ -72,6 +72,7 @@ def test_checkpoint_is_unwrapped_and_safe_to_load(trained):
         "features": [8, 16, 32, 64],
         "kernels": [[3, 3, 3]] * 4,
         "strides": [[1, 1, 1], [2, 2, 2], [2, 2, 2], [2, 2, 1]],  # 16 voxels along z: no third halving
+        "deep_supervision": False,  # the CPU default
     }
     assert state["plan"]["network"]["strides"] == state["model_args"]["strides"]
     assert state["plan"]["spacing"] == [1.0, 1.0, 1.5] and state["plan"]["orientation"] == "RAS"
