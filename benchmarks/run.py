@@ -374,7 +374,7 @@ def scaling_rows(device, mixed, quick: bool) -> list[Row]:
     # The timing's cost is a collective and a few clock readings per step, far below this machine's noise
     # from run to run: alternate runs with and without it, and compare the medians.
     with_timing, without = [rates[2]], []
-    for _ in range(2 if quick else 4):
+    for _ in range(4):  # fewer cannot rise above this machine's run-to-run spread (+-20 % on our 2-core VMs)
         without.append(scaling.samples_per_s(dataclasses.replace(job, world=2, timing=False)))
         with_timing.append(scaling.samples_per_s(dataclasses.replace(job, world=2)))
     timed, untimed = statistics.median(with_timing), statistics.median(without)
