@@ -40,7 +40,7 @@ from unet3d.training.report import Reporter, closing_words
 from unet3d.training.runtime import describe_run, make_runtime, wrap_for_training
 from unet3d.training.state import build_state
 from unet3d.training.timing import profiler
-from unet3d.training.validation import run_validation, validation_due
+from unet3d.training.validation import ever_validates, run_validation, validation_due
 
 INPUT_ERRORS = (ValueError, FileNotFoundError)  # bad data, options or checkpoints: exit 2, one message
 
@@ -80,7 +80,7 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     if checkpoint is not None:
         check_resumable(rt, checkpoint, state.model_args, Path(source))
         resume(rt, state, checkpoint, Path(source))
-    validates = rt.cfg.fold != "all"  # --fold all trains on every case: its budget keeps no room to validate
+    validates = ever_validates(rt.cfg)  # a budget keeps room for a last validation only where one comes
     state.budget = TimeBudget.for_job(rt.cfg.time_limit, state.budget, started, state.schedule.progress, validates)
     model = wrap_for_training(rt, state.model)
     first_step = state.epoch * rt.steps_per_epoch + state.step

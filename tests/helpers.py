@@ -113,3 +113,13 @@ def control_for(rt):
     from unet3d.training.control import StepControl
 
     return StepControl(rt.device, rt.cfg.max_bad_steps, budget=None, started=time.time())
+
+
+def small_synthetic(tmp_path_factory, name: str) -> Path:
+    """A folder holding `data/`: six synthetic cases of 32 mm (seed 0, no test split), for module fixtures whose
+    runs share one dataset and cache."""
+    from data.synthetic import write_synthetic_dataset
+
+    root = tmp_path_factory.mktemp(name)
+    write_synthetic_dataset(root / "data", num_cases=6, size=32, seed=0, num_test=0)
+    return root

@@ -17,7 +17,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from data.synthetic import write_synthetic_dataset
-from tests.helpers import REPO, free_port, run
+from tests.helpers import REPO, free_port, run, small_synthetic
 
 EPOCH_STEPS = 16  # 64 samples per epoch, batch 2, two ranks
 
@@ -25,9 +25,7 @@ EPOCH_STEPS = 16  # 64 samples per epoch, batch 2, two ranks
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> Path:
     """A synthetic dataset and its cache shared by the runs of this module."""
-    root = tmp_path_factory.mktemp("reliability")
-    write_synthetic_dataset(root / "data", num_cases=6, size=32, seed=0, num_test=0)
-    return root
+    return small_synthetic(tmp_path_factory, "reliability")
 
 
 def options(shared: Path, out: Path, epochs: int, *extra: str) -> list[str]:

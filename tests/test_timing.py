@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from data.synthetic import write_synthetic_dataset
-from tests.helpers import run
+from tests.helpers import run, small_synthetic
 from unet3d.training.timing import FIELDS, EpochTiming
 
 STEPS = 8  # 32 samples per epoch, batch 2, two ranks
@@ -17,9 +16,7 @@ STEPS = 8  # 32 samples per epoch, batch 2, two ranks
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("timing")
-    write_synthetic_dataset(root / "data", num_cases=6, size=32, seed=0, num_test=0)
-    return root
+    return small_synthetic(tmp_path_factory, "timing")
 
 
 def launch(shared: Path, out: Path, *extra: str, env: dict | None = None):

@@ -94,11 +94,16 @@ def _preview(case: PreparedCase, pred: torch.Tensor, dice: float) -> Preview:
     return Preview(*middle_planes(case.image, case.label, pred), spacing, f"{case.name}  Dice {dice:.3f}")
 
 
+def ever_validates(cfg: TrainConfig) -> bool:
+    """False for --fold all, which trains on every case and holds none out."""
+    return cfg.fold != "all"
+
+
 def validation_due(cfg: TrainConfig, epochs_done: int, stopped: StopReason | None) -> bool:
     """Every --val-every epochs and after the last; after a stop only for the time limit, whose budget
-    keeps room for this last validation (a stop signal wants the job gone quickly); never with --fold all,
-    which trains on every case."""
-    if cfg.fold == "all":
+    keeps room for this last validation (a stop signal wants the job gone quickly); never in a run that
+    never validates (`ever_validates`)."""
+    if not ever_validates(cfg):
         return False
     if stopped is not None:
         return stopped is StopReason.TIME_LIMIT
