@@ -221,6 +221,8 @@ def predict_cases(args, predictor: Predictor, cases, owner, out: Path, first: bo
         try:
             image, nii = load_case_image(case, predictor.in_channels)
             ref = load_label(case.label)[0] if case.label is not None else None
+            if ref is not None and ref.shape != image.shape[1:]:  # reported with the other failed cases
+                raise ValueError(f"{case.label}: shape {ref.shape} differs from its image's {image.shape[1:]}")
             members = [owner[case.name]] if owner else None
             pred, planned, probs, native = predictor.predict(image, nii.affine, ref, members, args.save_probabilities)
         except (ValueError, FileNotFoundError, OSError) as e:
@@ -232,8 +234,6 @@ def predict_cases(args, predictor: Predictor, cases, owner, out: Path, first: bo
             save_probabilities(native, predictor.class_names, folder / f"{case.name}.npz")
         caption = case.name
         if ref is not None:
-            if ref.shape != pred.shape:
-                raise ValueError(f"{case.label}: shape {ref.shape} differs from its image's {pred.shape}")
             metrics = case_metrics(pred, ref, len(predictor.class_names), spacing(nii))
             for k, row in enumerate(metrics, start=1):
                 rows.append({"case": case.name, "class": k, "class_name": predictor.class_names[k], **row})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 
 import nibabel as nib
 import numpy as np
@@ -124,3 +125,19 @@ def test_outputs_for_a_bare_state_dict_on_the_test_split(weights, tiny_dataset, 
         assert pred.shape == image.shape and np.allclose(pred.affine, image.affine)
     picture = Image.open(out / "overview.png")
     assert picture.mode == "RGB" and picture.width > 3 * 16
+
+
+def test_a_label_on_another_grid_is_one_failed_case_and_the_rest_is_scored(weights, tiny_dataset, tmp_path, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    bad = nib.load(data / "labelsTs" / "synth_007.nii.gz")
+    nib.save(nib.Nifti1Image(np.asarray(bad.dataobj)[:-2], bad.affine), data / "labelsTs" / "synth_007.nii.gz")
+    torch.save(weights, tmp_path / "w.pt")
+    out = tmp_path / "eval"
+    argv = ["--checkpoint", str(tmp_path / "w.pt"), "--data-dir", str(data), "--split", "test", "--out-dir", str(out)]
+    assert evaluate.main([*argv, "--device", "cpu", "--window", "16"]) == 1, "the failure shows in the exit code"
+    err = capsys.readouterr().err
+    assert "synth_007.nii.gz: shape (22, 24, 16) differs from its image's (24, 24, 16)" in err
+    rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
+    assert {r["case"] for r in rows} == {"synth_006"}, "the other case is still predicted and scored"
+    assert not (out / "predictions" / "synth_007.nii.gz").exists()
