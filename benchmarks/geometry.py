@@ -2,58 +2,110 @@
 orientations, trained for the same wall-clock budget with `bash launch.sh cpu:2 --time-limit T`, then scored
 on the test split, each prediction on its own image's grid (`evaluate.py --split test`):
 
-    python benchmarks/geometry.py --time-limit 240      # three runs of 4 minutes on 2 CPU cores
+    python benchmarks/geometry.py --time-limit 240 --seeds 0 1   # six runs of 4 minutes on 2 CPU cores
 
 1. uniform: every case at 1 x 1 x 1.5 mm in RAS order (the default synthetic data);
 2. mixed: the same cases as isotropic RAS, thick-slice LPS and sagittal thick-axis-first scans, planned as
    usual (RAS, nnU-Net's target spacing, crop);
 3. mixed, geometry off: the same mixed scans used as stored (--orientation none --spacing none --crop none).
 
-Prints the test mean Dice of each and the gaps to the uniform run.
+Each seed is another draw of the anatomy (and of the validation split). Prints the test mean Dice of each run,
+the gaps to the uniform run of the same seed, and two cross-evaluations that tell a weaker model from harder
+scans: the mixed-trained model on the uniform test scans, and the uniform-trained model on the mixed ones.
+Each run's output is kept in OUT/NAME-seedS.train.log and .eval.log.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from data.synthetic import folder_name  # noqa: E402
+
 RUNS = {
     "uniform": ["--synthetic-geometry", "uniform"],
     "mixed": ["--synthetic-geometry", "mixed"],
     "mixed, geometry off": ["--synthetic-geometry", "mixed", "--orientation", "none", "--spacing", "none"]
     + ["--crop", "none"],
 }
+CASES, SIZE = 24, 64  # the default synthetic dataset
 
 
-def run(name: str, extra: list[str], args: argparse.Namespace) -> dict:
-    out = Path(args.out) / name.replace(", ", "-").replace(" ", "-")
-    command = ["bash", "launch.sh", "cpu:2", "--out-dir", str(out), "--time-limit", str(args.time_limit)]
-    command += ["--synthetic-dir", str(Path(args.out) / "synthetic"), *extra]
-    subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    evaluate = [sys.executable, "evaluate.py", "--checkpoint", str(out / "checkpoints" / "best.pt")]
-    subprocess.run([*evaluate, "--split", "test", "--device", "cpu", "--out-dir", str(out / "eval_test")], cwd=REPO,
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    summary = json.loads((out / "eval_test" / "summary.json").read_text())
+def logged(command: list[str], log: Path) -> None:
+    """Run `command` in the repository with its output in `log`; on failure, say so with the log's end."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        code = subprocess.run(command, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        sys.exit(f"{' '.join(command)} failed (exit {code}); the end of {log}:\n{tail}")
+
+
+def evaluate(checkpoint: Path, data: Path | None, out: Path, log: Path) -> dict:
+    """evaluate.py --split test (on `data`, or the checkpoint's own dataset): mean Dice and per class."""
+    command = [sys.executable, "evaluate.py", "--checkpoint", str(checkpoint), "--split", "test", "--device", "cpu"]
+    command += ["--out-dir", str(out)] + (["--data-dir", str(data)] if data else [])
+    logged(command, log)
+    summary = json.loads((out / "summary.json").read_text())
     return {"mean_dice": summary["mean_dice"], **{k: v["dice"]["mean"] for k, v in summary["classes"].items()}}
+
+
+def run(name: str, extra: list[str], seed: int, args: argparse.Namespace) -> tuple[Path, dict]:
+    out = Path(args.out) / f"{name.replace(', ', '-').replace(' ', '-')}-seed{seed}"
+    command = ["bash", "launch.sh", "cpu:2", "--out-dir", str(out), "--time-limit", str(args.time_limit)]
+    command += ["--synthetic-dir", str(Path(args.out) / "synthetic"), "--seed", str(seed), *extra]
+    logged(command, out.parent / f"{out.name}.train.log")
+    best = out / "checkpoints" / "best.pt"
+    return best, evaluate(best, None, out / "eval_test", out.parent / f"{out.name}.eval.log")
+
+
+def line(name: str, r: dict, base: float | None) -> str:
+    classes = ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "mean_dice")
+    gap = "" if base is None else f"   gap to uniform {r['mean_dice'] - base:+.3f}"
+    return f"  {name:<34} {r['mean_dice']:.4f}  ({classes}){gap}"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--time-limit", type=float, default=240, help="seconds of training per run (default 240)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="anatomy draws, one set of runs each")
     p.add_argument("--out", default="runs/geometry-benchmark", help="folder for the runs")
     args = p.parse_args(argv)
-    results = {name: run(name, extra, args) for name, extra in RUNS.items()}
-    base = results["uniform"]["mean_dice"]
+    out, results = Path(args.out), {}
     print(f"test mean Dice after {args.time_limit:.0f} s of training on 2 CPU ranks, scored on each image's own grid")
-    for name, r in results.items():
-        classes = ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "mean_dice")
-        gap = "" if name == "uniform" else f"   gap to uniform {r['mean_dice'] - base:+.3f}"
-        print(f"  {name:<22} {r['mean_dice']:.4f}  ({classes}){gap}")
-    (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2))
+    for seed in args.seeds:
+        checkpoints, runs = {}, {}
+        for name, extra in RUNS.items():
+            checkpoints[name], runs[name] = run(name, extra, seed, args)
+        data = {g: out / "synthetic" / folder_name(CASES, SIZE, seed, g) for g in ("uniform", "mixed")}
+        cross = {
+            "mixed-trained model, uniform test scans": (checkpoints["mixed"], data["uniform"]),
+            "uniform-trained model, mixed test scans": (checkpoints["uniform"], data["mixed"]),
+        }
+        for name, (checkpoint, folder) in cross.items():
+            tag = f"cross-{'mixed' if name.startswith('mixed') else 'uniform'}-model-seed{seed}"
+            runs[name] = evaluate(checkpoint, folder, out / tag, out / f"{tag}.log")
+        base = runs["uniform"]["mean_dice"]
+        print(f"seed {seed}")
+        for name, r in runs.items():
+            print(line(name, r, None if name == "uniform" else base))
+        results[seed] = runs
+    if len(args.seeds) > 1:
+        print(f"mean over seeds {args.seeds} (range)")
+        for name in RUNS:
+            values = [results[s][name]["mean_dice"] for s in args.seeds]
+            gaps = [results[s][name]["mean_dice"] - results[s]["uniform"]["mean_dice"] for s in args.seeds]
+            spread = f"({min(gaps):+.3f}..{max(gaps):+.3f})"
+            gap = "" if name == "uniform" else f"   gap {statistics.mean(gaps):+.3f} {spread}"
+            print(f"  {name:<34} {statistics.mean(values):.4f} ({min(values):.4f}..{max(values):.4f}){gap}")
+    (out / "results.json").write_text(json.dumps(results, indent=2))
     return 0
 
 

@@ -24,7 +24,7 @@ from data.cache import build_cache, fingerprint_cases, load_fingerprints
 from data.check import missing_files, split_problems
 from data.msd import Case, DatasetSpec, load_dataset_json, run_split
 from data.plan import Plan, PlanRequest, make_plan
-from data.synthetic import write_synthetic_dataset
+from data.synthetic import folder_name, write_synthetic_dataset
 
 
 class DatasetError(ValueError):
@@ -52,9 +52,7 @@ class DataConfig:
 
     @property
     def synthetic_path(self) -> Path:
-        name = f"cases{self.synthetic_cases}_size{self.synthetic_size}_seed{self.seed}"
-        if self.synthetic_geometry != "uniform":
-            name += f"_{self.synthetic_geometry}"
+        name = folder_name(self.synthetic_cases, self.synthetic_size, self.seed, self.synthetic_geometry)
         return Path(self.synthetic_dir) / name
 
 

@@ -10,8 +10,8 @@ Everything follows from the seed and the case's index. The phantom is then acqui
   0.8 x 0.8 x 3 mm slices in LPS; sagittal 3.3 mm slices with the thick axis first (RIP order). The same
   index gives the same anatomy in world coordinates in both, so the two datasets can be compared.
 
-Thick voxels average the phantom across their thickness (partial volume); labels are the phantom at the
-voxel centre.
+Thick voxels average the phantom across their thickness (partial volume), finely enough that the image
+shows where in the slab a boundary lies; labels are the phantom at the voxel centre.
 """
 
 from __future__ import annotations
@@ -29,8 +29,12 @@ import numpy as np
 from unet3d.files import temp_path
 
 GEOMETRIES = ("uniform", "mixed")
+# the generator's version per geometry, in the folder name: a change that alters the files gets a new folder
+# (mixed 2: thick slices integrated every 0.25 mm instead of every 1 mm; uniform files are unchanged)
+VERSIONS = {"uniform": 1, "mixed": 2}
 SPACING = (1.0, 1.0, 1.5)  # the uniform acquisition
 LABELS = {"0": "background", "1": "organ", "2": "lesion"}
+SUBSAMPLE_MM = 0.25  # at most this far apart: the sub-samples that integrate a thick voxel (an odd count)
 
 
 @dataclass(frozen=True)
@@ -124,26 +128,51 @@ def evaluate_phantom(phantom: Phantom, points: np.ndarray, fov: np.ndarray) -> t
     return image * field, label
 
 
+def subsample_offsets(acquisition: Acquisition) -> np.ndarray:
+    """(N, 3) offsets in voxels at which a voxel of `acquisition` samples the phantom: its centre along axes of
+    1.5 mm or less; across a thicker axis an odd number of points at most SUBSAMPLE_MM apart that spans the
+    voxel, so their mean integrates the slab as the scanner does (the boundary's place inside the slab shows
+    in the intensity, not only which side of it the centre lies)."""
+    subs = [2 * math.ceil(s / (2 * SUBSAMPLE_MM)) + 1 if s > 1.5 else 1 for s in acquisition.spacing]
+    grids = [(np.arange(k) + 0.5) / k - 0.5 for k in subs]
+    return np.stack(np.meshgrid(*grids, indexing="ij"), axis=-1).reshape(-1, 3)
+
+
+def _grid_points(acquisition: Acquisition, fov: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(voxel indices (*shape, 3), affine) of the acquisition's grid."""
+    shape, affine = grid(acquisition, fov)
+    return np.stack(np.meshgrid(*[np.arange(n, dtype=np.float64) for n in shape], indexing="ij"), axis=-1), affine
+
+
 def acquire(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(image float32, label uint8, affine) of the phantom on the acquisition's grid, with noise.
 
-    Along an axis coarser than 1.5 mm the intensity is the mean of sub-samples 1 mm or less apart across
-    the voxel (partial volume), as a thick slice records it.
+    Along an axis coarser than 1.5 mm the intensity is the mean over `subsample_offsets` across the voxel
+    (partial volume), as a thick slice records it; the label is the phantom at the voxel's centre.
     """
-    shape, affine = grid(acquisition, fov)
-    index = np.stack(np.meshgrid(*[np.arange(n, dtype=np.float64) for n in shape], indexing="ij"), axis=-1)
-    centres = index @ affine[:3, :3].T + affine[:3, 3]
-    _, label = evaluate_phantom(phantom, centres, fov)
-    subs = [max(1, math.ceil(s)) if s > 1.5 else 1 for s in acquisition.spacing]
-    offsets = np.stack(np.meshgrid(*[(np.arange(k) + 0.5) / k - 0.5 for k in subs], indexing="ij"), axis=-1).reshape(
-        -1, 3
-    )
-    image = np.zeros(shape, np.float32)
+    index, affine = _grid_points(acquisition, fov)
+    _, label = evaluate_phantom(phantom, index @ affine[:3, :3].T + affine[:3, 3], fov)
+    offsets = subsample_offsets(acquisition)
+    image = np.zeros(label.shape, np.float32)
     for offset in offsets:
         image += evaluate_phantom(phantom, (index + offset) @ affine[:3, :3].T + affine[:3, 3], fov)[0]
     image /= len(offsets)
-    image += np.random.default_rng(phantom.noise_seed).normal(0, 15.0, shape).astype(np.float32)
+    image += np.random.default_rng(phantom.noise_seed).normal(0, 15.0, label.shape).astype(np.float32)
     return image, label, affine
+
+
+def class_fractions(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray) -> np.ndarray:
+    """(3, *shape) float32: the share of each voxel that each class fills, over the sub-samples its intensity
+    averages: what a noise-free thick-slice image can tell about the classes (tests compare it with the
+    centre labels)."""
+    index, affine = _grid_points(acquisition, fov)
+    offsets = subsample_offsets(acquisition)
+    fractions = np.zeros((len(LABELS), *index.shape[:-1]), np.float32)
+    for offset in offsets:
+        label = evaluate_phantom(phantom, (index + offset) @ affine[:3, :3].T + affine[:3, 3], fov)[1]
+        for k in range(len(LABELS)):
+            fractions[k] += label == k
+    return fractions / len(offsets)
 
 
 def case_acquisition(geometry: str, index: int) -> Acquisition:
@@ -159,6 +188,14 @@ def generate_case(
     fov = extent(size)
     phantom = draw_phantom(np.random.default_rng([seed, index]), fov)
     return acquire(phantom, case_acquisition(geometry, index), fov)
+
+
+def folder_name(num_cases: int, size: int, seed: int, geometry: str) -> str:
+    """The folder a synthetic dataset is written to under `--synthetic-dir` (its version when above 1)."""
+    name = f"cases{num_cases}_size{size}_seed{seed}"
+    if geometry != "uniform":
+        name += f"_{geometry}"
+    return name + (f"-v{VERSIONS[geometry]}" if VERSIONS[geometry] > 1 else "")
 
 
 def write_synthetic_dataset(

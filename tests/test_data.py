@@ -19,7 +19,7 @@ from data.nifti import load_image, load_label, spacing
 from data.patches import PreparedCase, foreground_coords, sample_patch
 from data.plan import PlanRequest, legacy_plan
 from data.preprocess import normalize
-from data.synthetic import write_synthetic_dataset
+from data.synthetic import PROTOCOLS, acquire, class_fractions, draw_phantom, extent, write_synthetic_dataset
 
 
 def write_msd(root: Path, cases: dict[str, tuple[np.ndarray, np.ndarray]], labels=None, modality=None) -> Path:
@@ -272,6 +272,26 @@ def test_synthetic_dataset_is_deterministic_and_rich(tmp_path):
     c = write_synthetic_dataset(tmp_path / "c", num_cases=3, size=32, seed=8, num_test=1)
     assert not np.array_equal(load_image(c / "imagesTr/synth_000.nii.gz")[0], load_image(spec.training[0].image)[0])
     assert not any(p.name.startswith("c.tmp") for p in tmp_path.iterdir())
+
+
+def test_thick_slices_show_where_in_the_slab_a_boundary_lies():
+    """The intensity of a thick voxel integrates its slab finely enough that a noise-free reader who knows each
+    voxel's class fractions (the majority class) recovers the centre labels: the image, not only luck, holds
+    what the label says. With a coarse sum (one sample per mm: 4 across a 3.3 mm slab, half of them on each
+    side of a boundary) this reader scored 0.956 on a sagittal lesion."""
+    fov = extent(48)
+    for protocol in PROTOCOLS[1:]:  # the two thick-slice acquisitions
+        hits, sizes = np.zeros(3), np.zeros(3)
+        for index in range(4):
+            phantom = draw_phantom(np.random.default_rng([0, index]), fov)
+            fractions = class_fractions(phantom, protocol, fov)
+            _, label, _ = acquire(phantom, protocol, fov)
+            reader = fractions.argmax(0)
+            assert np.allclose(fractions.sum(0), 1)
+            for k in (1, 2):
+                hits[k] += 2 * ((reader == k) & (label == k)).sum()
+                sizes[k] += (reader == k).sum() + (label == k).sum()
+        assert (hits[1:] / sizes[1:] > 0.99).all(), (protocol.name, hits[1:] / sizes[1:])
 
 
 def as_stored(modalities=("MRI",)):
