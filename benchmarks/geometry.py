@@ -69,7 +69,7 @@ def run(name: str, extra: list[str], seed: int, args: argparse.Namespace) -> tup
 def line(name: str, r: dict, base: float | None) -> str:
     classes = ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "mean_dice")
     gap = "" if base is None else f"   gap to uniform {r['mean_dice'] - base:+.3f}"
-    return f"  {name:<34} {r['mean_dice']:.4f}  ({classes}){gap}"
+    return f"  {name:<40} {r['mean_dice']:.4f}  ({classes}){gap}"
 
 
 def main(argv=None) -> int:
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
             gaps = [results[s][name]["mean_dice"] - results[s]["uniform"]["mean_dice"] for s in args.seeds]
             spread = f"({min(gaps):+.3f}..{max(gaps):+.3f})"
             gap = "" if name == "uniform" else f"   gap {statistics.mean(gaps):+.3f} {spread}"
-            print(f"  {name:<34} {statistics.mean(values):.4f} ({min(values):.4f}..{max(values):.4f}){gap}")
+            print(f"  {name:<40} {statistics.mean(values):.4f} ({min(values):.4f}..{max(values):.4f}){gap}")
     (out / "results.json").write_text(json.dumps(results, indent=2))
     return 0
 
