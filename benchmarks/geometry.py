@@ -18,6 +18,7 @@ Each run's output is kept in OUT/NAME-seedS.train.log and .eval.log.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -28,14 +29,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from data.synthetic import folder_name  # noqa: E402
+from unet3d.training.config import TrainConfig  # noqa: E402
 
+DEFAULT = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+DEFAULT_DATASET = (DEFAULT["synthetic_cases"], DEFAULT["synthetic_size"])  # the runs leave both at their defaults
 RUNS = {
     "uniform": ["--synthetic-geometry", "uniform"],
     "mixed": ["--synthetic-geometry", "mixed"],
     "mixed, geometry off": ["--synthetic-geometry", "mixed", "--orientation", "none", "--spacing", "none"]
     + ["--crop", "none"],
 }
-CASES, SIZE = 24, 64  # the default synthetic dataset
 
 
 def logged(command: list[str], log: Path) -> None:
@@ -84,7 +87,7 @@ def main(argv=None) -> int:
         checkpoints, runs = {}, {}
         for name, extra in RUNS.items():
             checkpoints[name], runs[name] = run(name, extra, seed, args)
-        data = {g: out / "synthetic" / folder_name(CASES, SIZE, seed, g) for g in ("uniform", "mixed")}
+        data = {g: out / "synthetic" / folder_name(*DEFAULT_DATASET, seed, g) for g in ("uniform", "mixed")}
         cross = {
             "mixed-trained model, uniform test scans": (checkpoints["mixed"], data["uniform"]),
             "uniform-trained model, mixed test scans": (checkpoints["uniform"], data["mixed"]),

@@ -144,6 +144,13 @@ def _grid_points(acquisition: Acquisition, fov: np.ndarray) -> tuple[np.ndarray,
     return np.stack(np.meshgrid(*[np.arange(n, dtype=np.float64) for n in shape], indexing="ij"), axis=-1), affine
 
 
+def _subsamples(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray):
+    """(intensity, label) of the phantom at each of `subsample_offsets` of every voxel, one offset at a time."""
+    index, affine = _grid_points(acquisition, fov)
+    for offset in subsample_offsets(acquisition):
+        yield evaluate_phantom(phantom, (index + offset) @ affine[:3, :3].T + affine[:3, 3], fov)
+
+
 def acquire(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(image float32, label uint8, affine) of the phantom on the acquisition's grid, with noise.
 
@@ -152,11 +159,10 @@ def acquire(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray) -> tupl
     """
     index, affine = _grid_points(acquisition, fov)
     _, label = evaluate_phantom(phantom, index @ affine[:3, :3].T + affine[:3, 3], fov)
-    offsets = subsample_offsets(acquisition)
     image = np.zeros(label.shape, np.float32)
-    for offset in offsets:
-        image += evaluate_phantom(phantom, (index + offset) @ affine[:3, :3].T + affine[:3, 3], fov)[0]
-    image /= len(offsets)
+    for intensity, _ in _subsamples(phantom, acquisition, fov):
+        image += intensity
+    image /= len(subsample_offsets(acquisition))
     image += np.random.default_rng(phantom.noise_seed).normal(0, 15.0, label.shape).astype(np.float32)
     return image, label, affine
 
@@ -165,14 +171,8 @@ def class_fractions(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray)
     """(3, *shape) float32: the share of each voxel that each class fills, over the sub-samples its intensity
     averages: what a noise-free thick-slice image can tell about the classes (tests compare it with the
     centre labels)."""
-    index, affine = _grid_points(acquisition, fov)
-    offsets = subsample_offsets(acquisition)
-    fractions = np.zeros((len(LABELS), *index.shape[:-1]), np.float32)
-    for offset in offsets:
-        label = evaluate_phantom(phantom, (index + offset) @ affine[:3, :3].T + affine[:3, 3], fov)[1]
-        for k in range(len(LABELS)):
-            fractions[k] += label == k
-    return fractions / len(offsets)
+    labels = [label for _, label in _subsamples(phantom, acquisition, fov)]
+    return np.stack([np.mean([label == k for label in labels], axis=0) for k in range(len(LABELS))]).astype(np.float32)
 
 
 def case_acquisition(geometry: str, index: int) -> Acquisition:
