@@ -40,7 +40,7 @@ from benchmarks.common import (  # noqa: E402
     with_fp32_precision,
 )
 from data.msd import load_dataset_json  # noqa: E402
-from data.synthetic import write_synthetic_dataset  # noqa: E402
+from data.synthetic import folder_name, write_synthetic_dataset  # noqa: E402
 from unet3d.inference.sliding_window import InferenceSettings, sliding_window_inference  # noqa: E402
 from unet3d.precision import cpu_has_native_bf16, format_name, resolve_amp, resolve_memory_format  # noqa: E402  # noqa: E402
 from unet3d.training.config import DEVICE_DEFAULTS, default_num_workers  # noqa: E402
@@ -66,7 +66,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="JSON file (default: benchmarks/results[-quick].json)")
     p.add_argument(
         "--data-dir",
-        default="runs/synthetic/cases24_size64_seed0",
+        default=f"runs/synthetic/{folder_name(24, 64, 0, 'uniform')}",
         help="MSD-layout dataset for the data-pipeline rows (written if missing: the synthetic default)",
     )
     return p.parse_args(argv)

@@ -10,8 +10,9 @@ Everything follows from the seed and the case's index. The phantom is then acqui
   0.8 x 0.8 x 3 mm slices in LPS; sagittal 3.3 mm slices with the thick axis first (RIP order). The same
   index gives the same anatomy in world coordinates in both, so the two datasets can be compared.
 
-Thick voxels average the phantom across their thickness (partial volume), finely enough that the image
-shows where in the slab a boundary lies; labels are the phantom at the voxel centre.
+Every voxel averages the phantom over its own box (partial volume), as a scanner's voxel integrates the
+signal across its extent, finely enough that the image shows where inside the voxel a boundary lies (a thick
+slice records where in its slab an organ ends); labels are the phantom at the voxel centre.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from unet3d.files import temp_path
 
 GEOMETRIES = ("uniform", "mixed")
 # the generator's version per geometry, in the folder name: a change that alters the files gets a new folder
-# (mixed 2: thick slices integrated every 0.25 mm instead of every 1 mm; uniform files are unchanged)
-VERSIONS = {"uniform": 1, "mixed": 2}
+# (mixed 2: thick slices integrated every 0.25 mm instead of every 1 mm; uniform 2 and mixed 3: every voxel
+# integrated over its box, where before axes of 1.5 mm or less took the value at the centre)
+VERSIONS = {"uniform": 2, "mixed": 3}
 SPACING = (1.0, 1.0, 1.5)  # the uniform acquisition
 LABELS = {"0": "background", "1": "organ", "2": "lesion"}
-SUBSAMPLE_MM = 0.25  # at most this far apart: the sub-samples that integrate a thick voxel (an odd count)
+SUBSAMPLE_MM = 0.25  # at most this far apart along each axis: the sub-samples that integrate a voxel
 
 
 @dataclass(frozen=True)
@@ -129,11 +131,11 @@ def evaluate_phantom(phantom: Phantom, points: np.ndarray, fov: np.ndarray) -> t
 
 
 def subsample_offsets(acquisition: Acquisition) -> np.ndarray:
-    """(N, 3) offsets in voxels at which a voxel of `acquisition` samples the phantom: its centre along axes of
-    1.5 mm or less; across a thicker axis an odd number of points at most SUBSAMPLE_MM apart that spans the
-    voxel, so their mean integrates the slab as the scanner does (the boundary's place inside the slab shows
-    in the intensity, not only which side of it the centre lies)."""
-    subs = [2 * math.ceil(s / (2 * SUBSAMPLE_MM)) + 1 if s > 1.5 else 1 for s in acquisition.spacing]
+    """(N, 3) offsets in voxels at which a voxel of `acquisition` samples the phantom: along every axis an odd
+    number of points at most SUBSAMPLE_MM apart that spans the voxel, so their mean integrates its box as the
+    scanner does (where inside the voxel a boundary lies shows in the intensity, not only which side of it
+    the centre is on)."""
+    subs = [2 * math.ceil(s / (2 * SUBSAMPLE_MM)) + 1 for s in acquisition.spacing]
     grids = [(np.arange(k) + 0.5) / k - 0.5 for k in subs]
     return np.stack(np.meshgrid(*grids, indexing="ij"), axis=-1).reshape(-1, 3)
 
@@ -144,35 +146,70 @@ def _grid_points(acquisition: Acquisition, fov: np.ndarray) -> tuple[np.ndarray,
     return np.stack(np.meshgrid(*[np.arange(n, dtype=np.float64) for n in shape], indexing="ij"), axis=-1), affine
 
 
-def _subsamples(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray):
-    """(intensity, label) of the phantom at each of `subsample_offsets` of every voxel, one offset at a time."""
+def near_boundary(phantom: Phantom, points: np.ndarray, reach: float) -> np.ndarray:
+    """Whether a surface of the phantom may pass within `reach` mm of each world point (..., 3): never False
+    where one does. For an ellipsoid, |F - 1| * (its smallest radius), F the point's scaled radius, is a lower
+    bound on the distance to its surface (the scaling moves no two points closer than by that radius); for the
+    tube the distance to its surface is exact."""
+    near = np.zeros(points.shape[:-1], bool)
+    ellipsoids = [phantom.body] + [(c, r) for c, r, _ in phantom.organs]
+    ellipsoids += [lesion for _, _, lesion in phantom.organs if lesion is not None]
+    for centre, radii in ellipsoids:
+        scaled = np.sqrt((((points - centre) / radii) ** 2).sum(-1))
+        near |= np.abs(scaled - 1.0) * float(np.min(radii)) <= reach
+    axis, a, b, radius = phantom.tube
+    u, v = [points[..., i] for i in range(3) if i != axis]
+    near |= np.abs(np.sqrt((u - a) ** 2 + (v - b) ** 2) - radius) <= reach
+    return near
+
+
+def _sampled(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray):
+    """(intensity, label) at every voxel centre, the mask of voxels whose box a boundary may cross, and a
+    generator of (intensity, label) at those voxels' points for each of `subsample_offsets` in turn. Elsewhere
+    the voxel holds one class, so its centre stands for its box (the bias field is smooth at a voxel's scale)."""
     index, affine = _grid_points(acquisition, fov)
-    for offset in subsample_offsets(acquisition):
-        yield evaluate_phantom(phantom, (index + offset) @ affine[:3, :3].T + affine[:3, 3], fov)
+
+    def world(idx: np.ndarray) -> np.ndarray:
+        return idx @ affine[:3, :3].T + affine[:3, 3]
+
+    centres = world(index)
+    intensity, label = evaluate_phantom(phantom, centres, fov)
+    near = near_boundary(phantom, centres, 0.5 * float(np.linalg.norm(acquisition.spacing)))
+    inner = index[near]
+    samples = (evaluate_phantom(phantom, world(inner + offset), fov) for offset in subsample_offsets(acquisition))
+    return intensity, label, near, samples
 
 
 def acquire(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(image float32, label uint8, affine) of the phantom on the acquisition's grid, with noise.
 
-    Along an axis coarser than 1.5 mm the intensity is the mean over `subsample_offsets` across the voxel
-    (partial volume), as a thick slice records it; the label is the phantom at the voxel's centre.
+    The intensity is the mean over `subsample_offsets` across the voxel (partial volume), as the scanner
+    records it; the label is the phantom at the voxel's centre.
     """
-    index, affine = _grid_points(acquisition, fov)
-    _, label = evaluate_phantom(phantom, index @ affine[:3, :3].T + affine[:3, 3], fov)
-    image = np.zeros(label.shape, np.float32)
-    for intensity, _ in _subsamples(phantom, acquisition, fov):
-        image += intensity
-    image /= len(subsample_offsets(acquisition))
+    intensity, label, near, samples = _sampled(phantom, acquisition, fov)
+    image = intensity.astype(np.float32)
+    total = np.zeros(int(near.sum()), np.float64)
+    count = 0
+    for values, _ in samples:
+        total += values
+        count += 1
+    image[near] = total / count
     image += np.random.default_rng(phantom.noise_seed).normal(0, 15.0, label.shape).astype(np.float32)
-    return image, label, affine
+    return image, label, grid(acquisition, fov)[1]
 
 
 def class_fractions(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray) -> np.ndarray:
     """(3, *shape) float32: the share of each voxel that each class fills, over the sub-samples its intensity
-    averages: what a noise-free thick-slice image can tell about the classes (tests compare it with the
-    centre labels)."""
-    labels = [label for _, label in _subsamples(phantom, acquisition, fov)]
-    return np.stack([np.mean([label == k for label in labels], axis=0) for k in range(len(LABELS))]).astype(np.float32)
+    averages: what a noise-free image can tell about the classes (tests compare it with the centre labels)."""
+    _, label, near, samples = _sampled(phantom, acquisition, fov)
+    fractions = np.stack([label == k for k in range(len(LABELS))]).astype(np.float32)
+    counts = np.zeros((len(LABELS), int(near.sum())), np.float64)
+    n = 0
+    for _, labels in samples:
+        counts += np.stack([labels == k for k in range(len(LABELS))])
+        n += 1
+    fractions[:, near] = counts / n
+    return fractions
 
 
 def case_acquisition(geometry: str, index: int) -> Acquisition:

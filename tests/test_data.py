@@ -19,7 +19,18 @@ from data.nifti import load_image, load_label, spacing
 from data.patches import PreparedCase, foreground_coords, sample_patch
 from data.plan import PlanRequest, legacy_plan
 from data.preprocess import normalize
-from data.synthetic import PROTOCOLS, acquire, class_fractions, draw_phantom, extent, write_synthetic_dataset
+from data.synthetic import (
+    PROTOCOLS,
+    SUBSAMPLE_MM,
+    UNIFORM,
+    acquire,
+    class_fractions,
+    draw_phantom,
+    evaluate_phantom,
+    extent,
+    subsample_offsets,
+    write_synthetic_dataset,
+)
 
 
 def write_msd(root: Path, cases: dict[str, tuple[np.ndarray, np.ndarray]], labels=None, modality=None) -> Path:
@@ -274,24 +285,39 @@ def test_synthetic_dataset_is_deterministic_and_rich(tmp_path):
     assert not any(p.name.startswith("c.tmp") for p in tmp_path.iterdir())
 
 
-def test_thick_slices_show_where_in_the_slab_a_boundary_lies():
-    """The intensity of a thick voxel integrates its slab finely enough that a noise-free reader who knows each
-    voxel's class fractions (the majority class) recovers the centre labels: the image, not only luck, holds
-    what the label says. With a coarse sum (one sample per mm: 4 across a 3.3 mm slab, half of them on each
-    side of a boundary) this reader scored 0.956 on a sagittal lesion."""
-    fov = extent(48)
-    for protocol in PROTOCOLS[1:]:  # the two thick-slice acquisitions
+def test_every_voxel_integrates_its_box_finely_and_skips_only_voxels_no_boundary_crosses():
+    """A voxel's intensity is the mean of the phantom over sub-samples at most SUBSAMPLE_MM apart that span its
+    box (the earlier generator took one sample per mm across thick slices, 4 across 3.3 mm, and none but the
+    centre across thin axes); voxels that no surface can reach take their centre's value, and that shortcut
+    changes nothing: the image equals the brute-force mean over every sub-sample of every voxel (up to the
+    bias field's variation inside a voxel). A noise-free reader who knows each voxel's class fractions (the
+    majority class) recovers the centre labels."""
+    fov = extent(40)
+    for protocol in (UNIFORM, *PROTOCOLS):
+        offsets = subsample_offsets(protocol)
+        for axis, size in enumerate(protocol.spacing):
+            steps = np.unique(np.round(offsets[:, axis], 9))
+            assert len(steps) % 2 == 1 and 0.0 in steps, "odd, centred"
+            assert np.diff(steps).max() * size <= SUBSAMPLE_MM + 1e-9, (protocol.name, axis)
+            assert np.isclose(steps.max() - steps.min(), 1 - 1 / len(steps)), "spans the voxel"
         hits, sizes = np.zeros(3), np.zeros(3)
-        for index in range(4):
+        for index in range(3):
             phantom = draw_phantom(np.random.default_rng([0, index]), fov)
+            image, label, affine = acquire(phantom, protocol, fov)
+            if index == 0:
+                image -= np.random.default_rng(phantom.noise_seed).normal(0, 15.0, label.shape).astype(np.float32)
+                points = np.stack(np.meshgrid(*[np.arange(n, dtype=float) for n in label.shape], indexing="ij"), -1)
+                world = [(points + o) @ affine[:3, :3].T + affine[:3, 3] for o in offsets]
+                brute = np.mean([evaluate_phantom(phantom, w, fov)[0] for w in world], axis=0)
+                assert np.abs(image - brute).max() < 0.5, protocol.name  # intensities 20..150; bias inside a voxel
             fractions = class_fractions(phantom, protocol, fov)
-            _, label, _ = acquire(phantom, protocol, fov)
-            reader = fractions.argmax(0)
             assert np.allclose(fractions.sum(0), 1)
+            assert ((fractions > 0) & (fractions < 1)).any(), "partial volume on every protocol"
+            reader = fractions.argmax(0)
             for k in (1, 2):
                 hits[k] += 2 * ((reader == k) & (label == k)).sum()
                 sizes[k] += (reader == k).sum() + (label == k).sum()
-        assert (hits[1:] / sizes[1:] > 0.99).all(), (protocol.name, hits[1:] / sizes[1:])
+        assert (hits[1:] / sizes[1:] > 0.95).all(), (protocol.name, hits[1:] / sizes[1:])
 
 
 def as_stored(modalities=("MRI",)):

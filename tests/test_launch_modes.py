@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import evaluate
+from data.synthetic import folder_name
 from tests.helpers import run
 
 # The defaults (24 synthetic cases of 64 x 64 x 40, the CPU network and patch), with one short epoch.
@@ -121,7 +122,7 @@ def test_mixed_acquisitions_train_and_predict_on_each_scans_own_grid(tmp_path):
     args = ["--out-dir", str(out), "--synthetic-dir", str(tmp_path / "syn"), "--cache-dir", str(tmp_path / "cache")]
     result = run(["bash", "launch.sh", "cpu:2", *args, *SHORT, *small, "--synthetic-geometry", "mixed"], timeout=300)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    data = tmp_path / "syn" / "cases6_size32_seed0_mixed-v2"
+    data = tmp_path / "syn" / folder_name(6, 32, 0, "mixed")
     images = sorted((data / "imagesTr").glob("*.nii.gz")) + sorted((data / "imagesTs").glob("*.nii.gz"))
     acquisitions = set()
     for path in images:
