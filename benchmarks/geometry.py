@@ -12,7 +12,8 @@ on the test split, each prediction on its own image's grid (`evaluate.py --split
 Each seed is another draw of the anatomy (and of the validation split). Prints the test mean Dice of each run,
 the gaps to the uniform run of the same seed, and two cross-evaluations that tell a weaker model from harder
 scans: the mixed-trained model on the uniform test scans, and the uniform-trained model on the mixed ones.
-Each run's output is kept in OUT/NAME-seedS.train.log and .eval.log.
+Each run starts from an empty folder (a rerun replaces the last one's runs); its output is kept in
+OUT/NAME-seedS.train.log and .eval.log.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,6 +41,7 @@ RUNS = {
     "mixed, geometry off": ["--synthetic-geometry", "mixed", "--orientation", "none", "--spacing", "none"]
     + ["--crop", "none"],
 }
+SHORT = {"mixed": "mixed", "off": "mixed, geometry off"}  # --runs
 
 
 def logged(command: list[str], log: Path) -> None:
@@ -52,7 +55,9 @@ def logged(command: list[str], log: Path) -> None:
 
 
 def evaluate(checkpoint: Path, data: Path | None, out: Path, log: Path) -> dict:
-    """evaluate.py --split test (on `data`, or the checkpoint's own dataset): mean Dice and per class."""
+    """evaluate.py --split test (on `data`, or the checkpoint's own dataset): mean Dice and per class, in a
+    folder emptied first, so nothing of an earlier benchmark is left among its files."""
+    shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, "evaluate.py", "--checkpoint", str(checkpoint), "--split", "test", "--device", "cpu"]
     command += ["--out-dir", str(out)] + (["--data-dir", str(data)] if data else [])
     logged(command, log)
@@ -62,6 +67,7 @@ def evaluate(checkpoint: Path, data: Path | None, out: Path, log: Path) -> dict:
 
 def run(name: str, extra: list[str], seed: int, args: argparse.Namespace) -> tuple[Path, dict]:
     out = Path(args.out) / f"{name.replace(', ', '-').replace(' ', '-')}-seed{seed}"
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run: launch.sh would resume the last benchmark's checkpoint
     command = ["bash", "launch.sh", "cpu:2", "--out-dir", str(out), "--time-limit", str(args.time_limit)]
     command += ["--synthetic-dir", str(Path(args.out) / "synthetic"), "--seed", str(seed), *extra]
     logged(command, out.parent / f"{out.name}.train.log")
@@ -80,18 +86,29 @@ def main(argv=None) -> int:
     p.add_argument("--time-limit", type=float, default=240, help="seconds of training per run (default 240)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="anatomy draws, one set of runs each")
     p.add_argument("--out", default="runs/geometry-benchmark", help="folder for the runs")
+    p.add_argument(
+        "--runs",
+        nargs="+",
+        choices=list(SHORT),
+        default=list(SHORT),
+        help="which runs besides uniform, the reference of every gap (default: mixed off; the cross-evaluations "
+        "come with mixed)",
+    )
     args = p.parse_args(argv)
+    chosen = {n: e for n, e in RUNS.items() if n == "uniform" or any(SHORT[r] == n for r in args.runs)}
     out, results = Path(args.out), {}
     print(f"test mean Dice after {args.time_limit:.0f} s of training on 2 CPU ranks, scored on each image's own grid")
     for seed in args.seeds:
         checkpoints, runs = {}, {}
-        for name, extra in RUNS.items():
+        for name, extra in chosen.items():
             checkpoints[name], runs[name] = run(name, extra, seed, args)
         data = {g: out / "synthetic" / folder_name(*DEFAULT_DATASET, seed, g) for g in ("uniform", "mixed")}
-        cross = {
-            "mixed-trained model, uniform test scans": (checkpoints["mixed"], data["uniform"]),
-            "uniform-trained model, mixed test scans": (checkpoints["uniform"], data["mixed"]),
-        }
+        cross = {}
+        if "mixed" in checkpoints:
+            cross = {
+                "mixed-trained model, uniform test scans": (checkpoints["mixed"], data["uniform"]),
+                "uniform-trained model, mixed test scans": (checkpoints["uniform"], data["mixed"]),
+            }
         for name, (checkpoint, folder) in cross.items():
             tag = f"cross-{'mixed' if name.startswith('mixed') else 'uniform'}-model-seed{seed}"
             runs[name] = evaluate(checkpoint, folder, out / tag, out / f"{tag}.log")
@@ -102,7 +119,7 @@ def main(argv=None) -> int:
         results[seed] = runs
     if len(args.seeds) > 1:
         print(f"mean over seeds {args.seeds} (range)")
-        for name in RUNS:
+        for name in chosen:
             values = [results[s][name]["mean_dice"] for s in args.seeds]
             gaps = [results[s][name]["mean_dice"] - results[s]["uniform"]["mean_dice"] for s in args.seeds]
             spread = f"({min(gaps):+.3f}..{max(gaps):+.3f})"
