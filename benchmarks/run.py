@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import platform
 import statistics
@@ -42,8 +43,13 @@ from benchmarks.common import (  # noqa: E402
 from data.msd import load_dataset_json  # noqa: E402
 from data.synthetic import folder_name, write_synthetic_dataset  # noqa: E402
 from unet3d.inference.sliding_window import InferenceSettings, sliding_window_inference  # noqa: E402
-from unet3d.precision import cpu_has_native_bf16, format_name, resolve_amp, resolve_memory_format  # noqa: E402  # noqa: E402
+from unet3d.precision import cpu_has_native_bf16, format_name, resolve_amp, resolve_memory_format  # noqa: E402
 from unet3d.training.config import DEVICE_DEFAULTS, default_num_workers  # noqa: E402
+
+# write_synthetic_dataset's own default size (cases, mm in-plane), which the data rows use
+SYNTHETIC_DEFAULT = tuple(
+    inspect.signature(write_synthetic_dataset).parameters[n].default for n in ("num_cases", "size")
+)
 
 
 @dataclass
@@ -66,7 +72,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="JSON file (default: benchmarks/results[-quick].json)")
     p.add_argument(
         "--data-dir",
-        default=f"runs/synthetic/{folder_name(24, 64, 0, 'uniform')}",
+        default=f"runs/synthetic/{folder_name(*SYNTHETIC_DEFAULT, 0, 'uniform')}",
         help="MSD-layout dataset for the data-pipeline rows (written if missing: the synthetic default)",
     )
     return p.parse_args(argv)

@@ -37,6 +37,7 @@ VERSIONS = {"uniform": 2, "mixed": 3}
 SPACING = (1.0, 1.0, 1.5)  # the uniform acquisition
 LABELS = {"0": "background", "1": "organ", "2": "lesion"}
 SUBSAMPLE_MM = 0.25  # at most this far apart along each axis: the sub-samples that integrate a voxel
+NOISE_SD = 15.0  # Gaussian noise added to every voxel (tissue intensities 20..150)
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,9 @@ def near_boundary(phantom: Phantom, points: np.ndarray, reach: float) -> np.ndar
 
 
 def _sampled(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray):
-    """(intensity, label) at every voxel centre, the mask of voxels whose box a boundary may cross, and a
-    generator of (intensity, label) at those voxels' points for each of `subsample_offsets` in turn. Elsewhere
+    """(intensity, label) at every voxel centre, the grid's affine, the mask of voxels whose box a boundary may
+    cross, and a generator of (intensity, label) at those voxels' points for each of `subsample_offsets` in
+    turn. Elsewhere
     the voxel holds one class, so its centre stands for its box (the bias field is smooth at a voxel's scale)."""
     index, affine = _grid_points(acquisition, fov)
 
@@ -177,7 +179,7 @@ def _sampled(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray):
     near = near_boundary(phantom, centres, 0.5 * float(np.linalg.norm(acquisition.spacing)))
     inner = index[near]
     samples = (evaluate_phantom(phantom, world(inner + offset), fov) for offset in subsample_offsets(acquisition))
-    return intensity, label, near, samples
+    return intensity, label, affine, near, samples
 
 
 def acquire(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -186,7 +188,7 @@ def acquire(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray) -> tupl
     The intensity is the mean over `subsample_offsets` across the voxel (partial volume), as the scanner
     records it; the label is the phantom at the voxel's centre.
     """
-    intensity, label, near, samples = _sampled(phantom, acquisition, fov)
+    intensity, label, affine, near, samples = _sampled(phantom, acquisition, fov)
     image = intensity.astype(np.float32)
     total = np.zeros(int(near.sum()), np.float64)
     count = 0
@@ -194,14 +196,14 @@ def acquire(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray) -> tupl
         total += values
         count += 1
     image[near] = total / count
-    image += np.random.default_rng(phantom.noise_seed).normal(0, 15.0, label.shape).astype(np.float32)
-    return image, label, grid(acquisition, fov)[1]
+    image += np.random.default_rng(phantom.noise_seed).normal(0, NOISE_SD, label.shape).astype(np.float32)
+    return image, label, affine
 
 
 def class_fractions(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray) -> np.ndarray:
     """(3, *shape) float32: the share of each voxel that each class fills, over the sub-samples its intensity
     averages: what a noise-free image can tell about the classes (tests compare it with the centre labels)."""
-    _, label, near, samples = _sampled(phantom, acquisition, fov)
+    _, label, _, near, samples = _sampled(phantom, acquisition, fov)
     fractions = np.stack([label == k for k in range(len(LABELS))]).astype(np.float32)
     counts = np.zeros((len(LABELS), int(near.sum())), np.float64)
     n = 0

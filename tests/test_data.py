@@ -20,6 +20,7 @@ from data.patches import PreparedCase, foreground_coords, sample_patch
 from data.plan import PlanRequest, legacy_plan
 from data.preprocess import normalize
 from data.synthetic import (
+    NOISE_SD,
     PROTOCOLS,
     SUBSAMPLE_MM,
     UNIFORM,
@@ -305,7 +306,7 @@ def test_every_voxel_integrates_its_box_finely_and_skips_only_voxels_no_boundary
             phantom = draw_phantom(np.random.default_rng([0, index]), fov)
             image, label, affine = acquire(phantom, protocol, fov)
             if index == 0:
-                image -= np.random.default_rng(phantom.noise_seed).normal(0, 15.0, label.shape).astype(np.float32)
+                image -= np.random.default_rng(phantom.noise_seed).normal(0, NOISE_SD, label.shape).astype(np.float32)
                 points = np.stack(np.meshgrid(*[np.arange(n, dtype=float) for n in label.shape], indexing="ij"), -1)
                 world = [(points + o) @ affine[:3, :3].T + affine[:3, 3] for o in offsets]
                 brute = np.mean([evaluate_phantom(phantom, w, fov)[0] for w in world], axis=0)
