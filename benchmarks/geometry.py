@@ -3,6 +3,7 @@ orientations, trained for the same wall-clock budget with `bash launch.sh cpu:2 
 on the test split, each prediction on its own image's grid (`evaluate.py --split test`):
 
     python benchmarks/geometry.py --time-limit 240 --seeds 0 1   # six runs of 4 minutes on 2 CPU cores
+    python benchmarks/geometry.py --time-limit 240 --seeds 0 1 --tta   # and every model scored with TTA too
 
 1. uniform: every case at 1 x 1 x 1.5 mm in RAS order (the default synthetic data);
 2. mixed: the same cases as isotropic RAS, thick-slice LPS and sagittal thick-axis-first scans, planned as
@@ -54,15 +55,28 @@ def logged(command: list[str], log: Path) -> None:
         sys.exit(f"{' '.join(command)} failed (exit {code}); the end of {log}:\n{tail}")
 
 
-def evaluate(checkpoint: Path, data: Path | None, out: Path, log: Path) -> dict:
+def evaluate(checkpoint: Path, data: Path | None, out: Path, log: Path, tta: bool = False) -> dict:
     """evaluate.py --split test (on `data`, or the checkpoint's own dataset): mean Dice and per class, in a
-    folder emptied first, so nothing of an earlier benchmark is left among its files."""
-    shutil.rmtree(out, ignore_errors=True)
-    command = [sys.executable, "evaluate.py", "--checkpoint", str(checkpoint), "--split", "test", "--device", "cpu"]
-    command += ["--out-dir", str(out)] + (["--data-dir", str(data)] if data else [])
-    logged(command, log)
-    summary = json.loads((out / "summary.json").read_text())
-    return {"mean_dice": summary["mean_dice"], **{k: v["dice"]["mean"] for k, v in summary["classes"].items()}}
+    folder emptied first, so nothing of an earlier benchmark is left among its files; with `tta`, also the
+    mean Dice with mirroring TTA (`evaluate.py --tta`, in OUT_tta) as "tta_mean_dice"."""
+    result = {}
+    for mirrored in (False, True) if tta else (False,):
+        folder = out.with_name(out.name + "_tta") if mirrored else out
+        shutil.rmtree(folder, ignore_errors=True)
+        command = [sys.executable, "evaluate.py", "--checkpoint", str(checkpoint), "--split", "test", "--device", "cpu"]
+        command += (
+            ["--out-dir", str(folder)] + (["--data-dir", str(data)] if data else []) + (["--tta"] if mirrored else [])
+        )
+        logged(command, log.with_name(log.stem + "_tta" + log.suffix) if mirrored else log)
+        summary = json.loads((folder / "summary.json").read_text())
+        if mirrored:
+            result["tta_mean_dice"] = summary["mean_dice"]
+        else:
+            result = {
+                "mean_dice": summary["mean_dice"],
+                **{k: v["dice"]["mean"] for k, v in summary["classes"].items()},
+            }
+    return result
 
 
 def run(name: str, extra: list[str], seed: int, args: argparse.Namespace) -> tuple[Path, dict]:
@@ -72,13 +86,19 @@ def run(name: str, extra: list[str], seed: int, args: argparse.Namespace) -> tup
     command += ["--synthetic-dir", str(Path(args.out) / "synthetic"), "--seed", str(seed), *extra]
     logged(command, out.parent / f"{out.name}.train.log")
     best = out / "checkpoints" / "best.pt"
-    return best, evaluate(best, None, out / "eval_test", out.parent / f"{out.name}.eval.log")
+    return best, evaluate(best, None, out / "eval_test", out.parent / f"{out.name}.eval.log", args.tta)
 
 
-def line(name: str, r: dict, base: float | None) -> str:
-    classes = ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "mean_dice")
-    gap = "" if base is None else f"   gap to uniform {r['mean_dice'] - base:+.3f}"
-    return f"  {name:<40} {r['mean_dice']:.4f}  ({classes}){gap}"
+def line(name: str, r: dict, base: dict | None) -> str:
+    classes = ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k not in ("mean_dice", "tta_mean_dice"))
+    text = f"  {name:<40} {r['mean_dice']:.4f}  ({classes})"
+    if base is not None:
+        text += f"   gap to uniform {r['mean_dice'] - base['mean_dice']:+.3f}"
+    if "tta_mean_dice" in r:
+        text += f"   with TTA {r['tta_mean_dice']:.4f}"
+        if base is not None:
+            text += f" (gap {r['tta_mean_dice'] - base['tta_mean_dice']:+.3f})"
+    return text
 
 
 def main(argv=None) -> int:
@@ -93,6 +113,9 @@ def main(argv=None) -> int:
         default=list(SHORT),
         help="which runs besides uniform, the reference of every gap (default: mixed off; the cross-evaluations "
         "come with mixed)",
+    )
+    p.add_argument(
+        "--tta", action="store_true", help="also evaluate every model with mirroring TTA (evaluate.py --tta)"
     )
     args = p.parse_args(argv)
     chosen = {n: e for n, e in RUNS.items() if n == "uniform" or any(SHORT[r] == n for r in args.runs)}
@@ -111,20 +134,23 @@ def main(argv=None) -> int:
             }
         for name, (checkpoint, folder) in cross.items():
             tag = f"cross-{'mixed' if name.startswith('mixed') else 'uniform'}-model-seed{seed}"
-            runs[name] = evaluate(checkpoint, folder, out / tag, out / f"{tag}.log")
-        base = runs["uniform"]["mean_dice"]
+            runs[name] = evaluate(checkpoint, folder, out / tag, out / f"{tag}.log", args.tta)
+        base = runs["uniform"]
         print(f"seed {seed}")
         for name, r in runs.items():
             print(line(name, r, None if name == "uniform" else base))
         results[seed] = runs
     if len(args.seeds) > 1:
-        print(f"mean over seeds {args.seeds} (range)")
-        for name in chosen:
-            values = [results[s][name]["mean_dice"] for s in args.seeds]
-            gaps = [results[s][name]["mean_dice"] - results[s]["uniform"]["mean_dice"] for s in args.seeds]
-            spread = f"({min(gaps):+.3f}..{max(gaps):+.3f})"
-            gap = "" if name == "uniform" else f"   gap {statistics.mean(gaps):+.3f} {spread}"
-            print(f"  {name:<40} {statistics.mean(values):.4f} ({min(values):.4f}..{max(values):.4f}){gap}")
+        for key, title in (("mean_dice", ""), ("tta_mean_dice", ", with mirroring TTA")):
+            if key not in results[args.seeds[0]]["uniform"]:
+                continue
+            print(f"mean over seeds {args.seeds} (range){title}")
+            for name in chosen:
+                values = [results[s][name][key] for s in args.seeds]
+                gaps = [results[s][name][key] - results[s]["uniform"][key] for s in args.seeds]
+                spread = f"({min(gaps):+.3f}..{max(gaps):+.3f})"
+                gap = "" if name == "uniform" else f"   gap {statistics.mean(gaps):+.3f} {spread}"
+                print(f"  {name:<40} {statistics.mean(values):.4f} ({min(values):.4f}..{max(values):.4f}){gap}")
     (out / "results.json").write_text(json.dumps(results, indent=2))
     return 0
 
