@@ -170,3 +170,46 @@ def test_a_failed_save_leaves_the_last_checkpoint_and_no_rank_waiting(tmp_path):
     assert outcomes[1][0].startswith("RuntimeError: rank 0 failed: OSError") and outcomes[1][1] < 10
     assert load_checkpoint(tmp_path / "last.pt", "cpu")["epoch"] == 1
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".pt") == ["last.pt"]
+
+
+def test_inference_loads_the_moving_average_when_the_checkpoint_has_one(tmp_path):
+    """With --ema, validation scores the averaged weights, so evaluate.py and predict.py must load those."""
+    from unet3d.checkpoint import load_model, state_dict_of
+
+    args = {"in_channels": 1, "num_classes": 2, "features": [4, 8]}
+    trained, averaged = UNet3D(**args), UNet3D(**args)
+    for p in averaged.parameters():
+        nn.init.normal_(p)
+    plain = {"model": trained.state_dict(), "model_args": args}
+    assert state_dict_of(plain).keys() == trained.state_dict().keys()
+    save_checkpoint({**plain, "ema_model": averaged.state_dict()}, tmp_path / "best.pt")
+    model, _ = load_model(tmp_path / "best.pt", torch.device("cpu"))
+    for key, value in averaged.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, msg=key)
+
+
+def test_the_moving_average_follows_each_step_and_travels_in_the_checkpoint():
+    from tests.helpers import runtime, state_for
+
+    rt = runtime(dist.DistInfo(0, 0, 1, 1, torch.device("cpu")), 2, ema=0.75)
+    model = UNet3D(in_channels=1, num_classes=2, features=[4, 8])
+    state = state_for(rt, model)
+    assert state.scored_model is state.ema and not any(p.requires_grad for p in state.ema.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    state.update_ema()
+    for average, old in zip(state.ema.parameters(), before):
+        torch.testing.assert_close(average, old + 0.25)  # 0.75 * old + 0.25 * (old + 1)
+    saved = state.state_dict(world_size=1, rng_states=[])
+    fresh = state_for(rt, UNet3D(in_channels=1, num_classes=2, features=[4, 8]))
+    fresh.load(saved, source="saved", rank=0, warn=lambda message: None)
+    for key, value in state.ema.state_dict().items():
+        torch.testing.assert_close(fresh.ema.state_dict()[key], value, msg=key)
+    plain = state_for(runtime(dist.DistInfo(0, 0, 1, 1, torch.device("cpu")), 2), model)
+    assert (
+        plain.ema is None
+        and plain.scored_model is model
+        and "ema_model" not in plain.state_dict(world_size=1, rng_states=[])
+    )
