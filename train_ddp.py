@@ -100,7 +100,7 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
                 stats = train_one_epoch(rt, state, model, loss_fn, loader, control)  # advances state
                 val = None
                 if validation_due(rt.cfg, state.epoch, stats.stopped):
-                    val = run_validation(rt, state.scored_model, val_cases, data.spec.num_classes, control)
+                    val = run_validation(rt, state.model, val_cases, data.spec.num_classes, control)
                 is_best = state.record(val.mean_dice if val is not None else None)
                 save_checkpoints(rt, state, is_best)
                 if rt.is_main:

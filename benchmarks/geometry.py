@@ -4,7 +4,6 @@ on the test split, each prediction on its own image's grid (`evaluate.py --split
 
     python benchmarks/geometry.py --time-limit 240 --seeds 0 1   # six runs of 4 minutes on 2 CPU cores
     python benchmarks/geometry.py --time-limit 240 --seeds 0 1 --tta   # and every model scored with TTA too
-    python benchmarks/geometry.py --time-limit 240 --seeds 0 1 --tta --ema 0.99   # every run averaging weights
 
 1. uniform: every case at 1 x 1 x 1.5 mm in RAS order (the default synthetic data);
 2. mixed: the same cases as isotropic RAS, thick-slice LPS and sagittal thick-axis-first scans, planned as
@@ -85,7 +84,6 @@ def run(name: str, extra: list[str], seed: int, args: argparse.Namespace) -> tup
     shutil.rmtree(out, ignore_errors=True)  # a fresh run: launch.sh would resume the last benchmark's checkpoint
     command = ["bash", "launch.sh", "cpu:2", "--out-dir", str(out), "--time-limit", str(args.time_limit)]
     command += ["--synthetic-dir", str(Path(args.out) / "synthetic"), "--seed", str(seed), *extra]
-    command += ["--ema", str(args.ema)] if args.ema else []
     logged(command, out.parent / f"{out.name}.train.log")
     best = out / "checkpoints" / "best.pt"
     return best, evaluate(best, None, out / "eval_test", out.parent / f"{out.name}.eval.log", args.tta)
@@ -119,7 +117,6 @@ def main(argv=None) -> int:
     p.add_argument(
         "--tta", action="store_true", help="also evaluate every model with mirroring TTA (evaluate.py --tta)"
     )
-    p.add_argument("--ema", type=float, default=0.0, help="train every run with --ema F (default: off)")
     args = p.parse_args(argv)
     chosen = {n: e for n, e in RUNS.items() if n == "uniform" or any(SHORT[r] == n for r in args.runs)}
     out, results = Path(args.out), {}

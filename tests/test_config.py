@@ -118,13 +118,6 @@ def test_spacing_option_forms():
             TrainConfig(spacing=bad)
 
 
-def test_ema_option():
-    assert parse_args([]).ema == 0.0 and parse_args(["--ema", "0.99"]).ema == 0.99
-    for bad in (1.0, -0.1, 1.5):
-        with pytest.raises(ValueError, match=rf"--ema must be in \[0, 1\) \(0: off\), got {bad}"):
-            TrainConfig(ema=bad)
-
-
 @pytest.mark.parametrize(("cpus", "local", "expected"), [(64, 8, 7), (2, 2, 1), (1, 4, 1), (128, 1, 12)])
 def test_default_num_workers(cpus, local, expected):
     assert default_num_workers(cpus, local) == expected

@@ -96,10 +96,9 @@ def strip_wrapper_prefixes(state_dict: Mapping[str, Any], expected_keys: Iterabl
 
 
 def state_dict_of(checkpoint: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The model weights in a loaded file: train_ddp.py's `ema_model` entry (the moving average that
-    validation scored, with --ema) or its `model` entry, a `state_dict` entry, or the whole mapping when it is
-    a bare state dict (as `torch.save(model.state_dict())` writes)."""
-    for key in ("ema_model", "model", "state_dict"):
+    """The model weights in a loaded file: train_ddp.py's `model` entry, a `state_dict` entry, or the
+    whole mapping when it is a bare state dict (as `torch.save(model.state_dict())` writes)."""
+    for key in ("model", "state_dict"):
         inner = checkpoint.get(key)
         if isinstance(inner, Mapping) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
             return dict(inner)

@@ -134,11 +134,6 @@ class TrainConfig:
         "SGD momentum (default: 0.99 on GPUs as nnU-Net; 0.95 on the CPU, where 0.99 learns small classes too late)",
     )
     weight_decay: float = _f(3e-5, "weight decay")
-    ema: float = _f(
-        0.0,
-        "keep an exponential moving average of the weights with this decay per step (e.g. 0.99; 0: off): "
-        "validation, best.pt and evaluate.py then use the averaged weights",
-    )
     loss: str = _f("dice_ce", "dice or dice_ce (soft Dice plus cross-entropy)")
     amp: str = _f(
         "auto",
@@ -219,8 +214,6 @@ class TrainConfig:
             raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
             raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        if not 0 <= self.ema < 1:
-            raise ValueError(f"--ema must be in [0, 1) (0: off), got {self.ema}")
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if not 0 <= self.fg_fraction <= 1:

@@ -106,7 +106,6 @@ def train_one_epoch(
             optimizer.zero_grad(set_to_none=True)
         else:
             scaler.step(optimizer)
-            state.update_ema()
             loss_sum += loss.detach().double() * len(image)
             seen += len(image)
         scaler.update()

@@ -113,8 +113,7 @@ def describe_run(rt: Runtime, run: RunData) -> None:
         run.plan.write(rt.out_dir / "plan.json")
     log.info(
         f"precision {rt.amp_dtype or torch.float32}, memory format {format_name(rt.memory_format)}, deep "
-        f"supervision {cfg.deep_supervision}, augmentation {cfg.augmentation}, "
-        f"{f'weights averaged (decay {cfg.ema} per step)' if cfg.ema else 'no weight averaging'}; checkpoints in "
+        f"supervision {cfg.deep_supervision}, augmentation {cfg.augmentation}; checkpoints in "
         f"{rt.out_dir / 'checkpoints'}, TensorBoard logs in {rt.out_dir / 'tensorboard'}, per-rank logs in "
         f"{rt.out_dir / 'logs'}; configuration:\n  "
         + "\n  ".join(f"{k} = {v}" for k, v in dataclasses.asdict(cfg).items())

@@ -7,7 +7,6 @@ resumed from a checkpoint continues as if it had never stopped.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -62,27 +61,11 @@ class TrainState:
     partial_epoch: PartialEpoch = field(default_factory=PartialEpoch)  # of the next epoch, after a stop
     best_metric: float = -math.inf  # the best mean validation Dice so far
     budget: TimeBudget | None = None  # the --time-limit budget of the job that trains now
-    ema: nn.Module | None = None  # with --ema: a copy of `model` holding the moving average of its weights
 
     @property
     def step(self) -> int:
         """Steps of the next epoch already trained (non-zero only after a graceful stop)."""
         return self.partial_epoch.step
-
-    @property
-    def scored_model(self) -> nn.Module:
-        """The weights validation scores and best.pt stands for: the moving average with --ema, else `model`."""
-        return self.ema if self.ema is not None else self.model
-
-    def update_ema(self) -> None:
-        """After an optimizer step: average = decay * average + (1 - decay) * weights. Every rank holds the
-        same weights (DDP), so every rank's average is the same without a collective."""
-        if self.ema is None:
-            return
-        weight = 1.0 - self.config.ema
-        with torch.no_grad():
-            for average, current in zip(self.ema.parameters(), self.model.parameters()):
-                average.lerp_(current, weight)
 
     def record(self, mean_dice: float | None) -> bool:
         """Note a validation result; whether it is a new best."""
@@ -116,7 +99,6 @@ class TrainState:
             "world_size": world_size,
             "rng": rng_states,
             "time_budget": self.budget.state_dict() if self.budget is not None else None,
-            **({"ema_model": self.ema.state_dict()} if self.ema is not None else {}),
         }
 
     def load(self, checkpoint: dict[str, Any], *, source: str, rank: int, warn: Callable[[str], None]) -> None:
@@ -126,12 +108,6 @@ class TrainState:
         time budget is restored as it was; `TimeBudget.for_job` decides whether it still applies.
         """
         load_weights(self.model, checkpoint["model"], source)
-        if self.ema is not None:
-            if "ema_model" in checkpoint:
-                load_weights(self.ema, checkpoint["ema_model"], source)
-            else:
-                self.ema.load_state_dict(self.model.state_dict())
-                warn(f"{source} holds no moving average of the weights: --ema starts it from the weights it holds")
         try:
             self.optimizer.load_state_dict(checkpoint["optimizer"])
             self.schedule.load_state_dict(checkpoint["scheduler"])
@@ -171,7 +147,7 @@ def new_state(
     rt: Runtime, model: nn.Module, plan: Plan, args: dict[str, Any], class_names: Sequence[str]
 ) -> TrainState:
     """A fresh TrainState around `model` (built from `args` for `plan`): the optimizer with the kernels that
-    are safe for the run's precision, its schedule, the loss scaler and, with --ema, the average's copy."""
+    are safe for the run's precision, its schedule and the loss scaler."""
     cfg = rt.cfg
     kernels = optimizer_kernels(rt.device, rt.amp_dtype)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.momentum, kernels)
@@ -184,5 +160,4 @@ def new_state(
         plan=plan,
         model_args=dict(args),
         class_names=list(class_names),
-        ema=copy.deepcopy(model).requires_grad_(False) if cfg.ema > 0 else None,
     )
