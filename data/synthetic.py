@@ -167,8 +167,8 @@ def near_boundary(phantom: Phantom, points: np.ndarray, reach: float) -> np.ndar
 def _sampled(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray):
     """(intensity, label) at every voxel centre, the grid's affine, the mask of voxels whose box a boundary may
     cross, and a generator of (intensity, label) at those voxels' points for each of `subsample_offsets` in
-    turn. Elsewhere
-    the voxel holds one class, so its centre stands for its box (the bias field is smooth at a voxel's scale)."""
+    turn. Elsewhere the voxel holds one class, so its centre stands for its box (the bias field is smooth at a
+    voxel's scale)."""
     index, affine = _grid_points(acquisition, fov)
 
     def world(idx: np.ndarray) -> np.ndarray:
