@@ -182,6 +182,16 @@ def _sampled(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray):
     return intensity, label, affine, near, samples
 
 
+def _mean(arrays) -> np.ndarray:
+    """The mean of the arrays an iterable yields, summed one at a time in float64 (the sub-samples of
+    `_sampled`, of which only one is held at once)."""
+    total, count = 0.0, 0
+    for array in arrays:
+        total = total + np.asarray(array, np.float64)
+        count += 1
+    return total / count
+
+
 def acquire(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(image float32, label uint8, affine) of the phantom on the acquisition's grid, with noise.
 
@@ -190,12 +200,7 @@ def acquire(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray) -> tupl
     """
     intensity, label, affine, near, samples = _sampled(phantom, acquisition, fov)
     image = intensity.astype(np.float32)
-    total = np.zeros(int(near.sum()), np.float64)
-    count = 0
-    for values, _ in samples:
-        total += values
-        count += 1
-    image[near] = total / count
+    image[near] = _mean(values for values, _ in samples)
     image += np.random.default_rng(phantom.noise_seed).normal(0, NOISE_SD, label.shape).astype(np.float32)
     return image, label, affine
 
@@ -205,12 +210,7 @@ def class_fractions(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray)
     averages: what a noise-free image can tell about the classes (tests compare it with the centre labels)."""
     _, label, _, near, samples = _sampled(phantom, acquisition, fov)
     fractions = np.stack([label == k for k in range(len(LABELS))]).astype(np.float32)
-    counts = np.zeros((len(LABELS), int(near.sum())), np.float64)
-    n = 0
-    for _, labels in samples:
-        counts += np.stack([labels == k for k in range(len(LABELS))])
-        n += 1
-    fractions[:, near] = counts / n
+    fractions[:, near] = _mean(np.stack([labels == k for k in range(len(LABELS))]) for _, labels in samples)
     return fractions
 
 
