@@ -290,9 +290,9 @@ def test_every_voxel_integrates_its_box_finely_and_skips_only_voxels_no_boundary
     """A voxel's intensity is the mean of the phantom over sub-samples at most SUBSAMPLE_MM apart that span its
     box (the earlier generator took one sample per mm across thick slices, 4 across 3.3 mm, and none but the
     centre across thin axes); voxels that no surface can reach take their centre's value, and that shortcut
-    changes nothing: the image equals the brute-force mean over every sub-sample of every voxel (up to the
-    bias field's variation inside a voxel). A noise-free reader who knows each voxel's class fractions (the
-    majority class) recovers the centre labels."""
+    changes nothing: the image equals the brute-force mean over every sub-sample of each voxel (a random tenth
+    of them, up to the bias field's variation inside a voxel). A noise-free reader who knows each voxel's class
+    fractions (the majority class) recovers the centre labels."""
     fov = extent(40)
     for protocol in (UNIFORM, *PROTOCOLS):
         offsets = subsample_offsets(protocol)
@@ -308,9 +308,11 @@ def test_every_voxel_integrates_its_box_finely_and_skips_only_voxels_no_boundary
             if index == 0:
                 image -= np.random.default_rng(phantom.noise_seed).normal(0, NOISE_SD, label.shape).astype(np.float32)
                 points = np.stack(np.meshgrid(*[np.arange(n, dtype=float) for n in label.shape], indexing="ij"), -1)
+                some = np.random.default_rng(0).random(label.shape) < 0.1  # a tenth of the voxels, near and far
+                points = points[some]
                 world = [(points + o) @ affine[:3, :3].T + affine[:3, 3] for o in offsets]
                 brute = np.mean([evaluate_phantom(phantom, w, fov)[0] for w in world], axis=0)
-                assert np.abs(image - brute).max() < 0.5, protocol.name  # intensities 20..150; bias inside a voxel
+                assert np.abs(image[some] - brute).max() < 0.5, protocol.name  # intensities 20..150; bias in a voxel
             fractions = class_fractions(phantom, protocol, fov)
             assert np.allclose(fractions.sum(0), 1)
             assert ((fractions > 0) & (fractions < 1)).any(), "partial volume on every protocol"

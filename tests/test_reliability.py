@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -16,8 +17,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from data.synthetic import write_synthetic_dataset
 from tests.helpers import REPO, free_port, run, small_synthetic
+from unet3d.training.config import parse_args
+from unet3d.training.preflight import preflight
 
 EPOCH_STEPS = 16  # 64 samples per epoch, batch 2, two ranks
 
@@ -185,7 +187,7 @@ def test_out_of_memory_on_one_rank_ends_the_job_once_with_advice(shared, tmp_pat
 def broken_copy(shared: Path, tmp_path: Path, kind: str) -> tuple[Path, str]:
     """A copy of the dataset with one kind of damage, and the file name the error must mention."""
     root = tmp_path / "data"
-    write_synthetic_dataset(root, num_cases=6, size=32, seed=0, num_test=0)
+    shutil.copytree(shared / "data", root)
     meta_path = root / "dataset.json"
     case = "synth_002.nii.gz"
     image, label = root / "imagesTr" / case, root / "labelsTr" / case
@@ -224,6 +226,9 @@ def broken_copy(shared: Path, tmp_path: Path, kind: str) -> tuple[Path, str]:
     return root, case
 
 
+LAUNCHED = {"malformed dataset.json", "sheared affine", "no validation case"}  # the rest: the pre-flight in-process
+
+
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
@@ -239,24 +244,24 @@ def broken_copy(shared: Path, tmp_path: Path, kind: str) -> tuple[Path, str]:
         ("no validation case", "holds out no validation case"),
     ],
 )
-def test_a_broken_dataset_stops_before_any_rank_starts(shared, tmp_path, kind, message):
+def test_a_broken_dataset_stops_before_any_rank_starts(shared, tmp_path, kind, message, capsys):
+    """Through launch.sh for three kinds (a dataset.json, an image and a split problem): the pre-flight stops
+    the job before torchrun starts a rank. The others call that pre-flight (`train_ddp.py --prepare-only`,
+    what launch.sh runs) in this process: the same check, without a launch's start-up time."""
     data, name = broken_copy(shared, tmp_path, kind)
     fraction = "0" if kind == "no validation case" else "0.5"
-    result = launch(
-        "--data-dir",
-        str(data),
-        "--out-dir",
-        str(tmp_path / "run"),
-        "--val-fraction",
-        fraction,
-        "--cache-dir",
-        str(tmp_path / "cache"),
-        timeout=60,
-    )
-    assert result.returncode == 2
-    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.stdout
-    assert message in result.stdout and name in result.stdout
+    args = ["--data-dir", str(data), "--out-dir", str(tmp_path / "run"), "--val-fraction", fraction]
+    args += ["--cache-dir", str(tmp_path / "cache")]
+    if kind in LAUNCHED:
+        result = launch(*args, timeout=60)
+        returncode, stdout = result.returncode, result.stdout
+    else:
+        returncode = preflight(parse_args([*args, "--prepare-only"]))
+        stdout = capsys.readouterr().out
+    assert returncode == 2
+    errors = [line for line in stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stdout
+    assert message in stdout and name in stdout
     assert not (tmp_path / "run" / "logs").exists(), "no rank may start"
 
 
