@@ -17,6 +17,7 @@ slice records where in its slab an organ ends); labels are the phantom at the vo
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -108,27 +109,46 @@ def _inside(points: np.ndarray, centre: np.ndarray, radii: np.ndarray) -> np.nda
     return (((points - centre) / radii) ** 2).sum(-1) <= 1.0
 
 
-def evaluate_phantom(phantom: Phantom, points: np.ndarray, fov: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(intensity without noise, label) at world points (..., 3)."""
+def _in_tube(points: np.ndarray, tube: tuple[int, float, float, float]) -> np.ndarray:
+    axis, a, b, radius = tube
+    u, v = [points[..., i] for i in range(3) if i != axis]
+    return (u - a) ** 2 + (v - b) ** 2 <= radius**2
+
+
+def _shapes(phantom: Phantom) -> list:
+    """The phantom's solids, each a function from world points (..., 3) to whether they lie inside it: the body,
+    each organ followed by its lesion (None where it has none), the tube."""
+    shapes = [functools.partial(_inside, centre=phantom.body[0], radii=phantom.body[1])]
+    for centre, radii, lesion in phantom.organs:
+        shapes.append(functools.partial(_inside, centre=centre, radii=radii))
+        shapes.append(None if lesion is None else functools.partial(_inside, centre=lesion[0], radii=lesion[1]))
+    return [*shapes, functools.partial(_in_tube, tube=phantom.tube)]
+
+
+def _compose(phantom: Phantom, inside: list, points: np.ndarray, fov: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(intensity without noise, label) at world points (..., 3), from whether they lie in each of `_shapes`."""
     label = np.zeros(points.shape[:-1], np.uint8)
     image = np.full(points.shape[:-1], 20.0, np.float32)  # air
-    body = _inside(points, *phantom.body)
+    body = inside[0]
     image[body] = 100.0
-    for centre, radii, lesion in phantom.organs:
-        organ = _inside(points, centre, radii) & body
+    for j in range(len(phantom.organs)):
+        organ = inside[1 + 2 * j] & body
         label[organ], image[organ] = 1, 150.0
-        if lesion is not None:
-            inner = _inside(points, *lesion) & organ
-            label[inner], image[inner] = 2, 40.0
+        if inside[2 + 2 * j] is not None:
+            lesion = inside[2 + 2 * j] & organ
+            label[lesion], image[lesion] = 2, 40.0
     # A bright tube through the body, as bright as an organ but unlabelled: intensity alone won't do.
-    axis, a, b, radius = phantom.tube
-    u, v = [points[..., i] for i in range(3) if i != axis]
-    tube = ((u - a) ** 2 + (v - b) ** 2 <= radius**2) & body & (label == 0)
+    tube = inside[-1] & body & (label == 0)
     image[tube] = 150.0
     field = np.ones(points.shape[:-1], np.float32)
     for w, (frequency, phase) in enumerate(phantom.bias):
         field += 0.15 * np.cos(2 * np.pi * (points[..., w] / fov[w]) * frequency + phase)
     return image * field, label
+
+
+def evaluate_phantom(phantom: Phantom, points: np.ndarray, fov: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(intensity without noise, label) at world points (..., 3)."""
+    return _compose(phantom, [None if f is None else f(points) for f in _shapes(phantom)], points, fov)
 
 
 def subsample_offsets(acquisition: Acquisition) -> np.ndarray:
@@ -147,38 +167,62 @@ def _grid_points(acquisition: Acquisition, fov: np.ndarray) -> tuple[np.ndarray,
     return np.stack(np.meshgrid(*[np.arange(n, dtype=np.float64) for n in shape], indexing="ij"), axis=-1), affine
 
 
-def near_boundary(phantom: Phantom, points: np.ndarray, reach: float) -> np.ndarray:
-    """Whether a surface of the phantom may pass within `reach` mm of each world point (..., 3): never False
-    where one does. For an ellipsoid, |F - 1| * (its smallest radius), F the point's scaled radius, is a lower
-    bound on the distance to its surface (the scaling moves no two points closer than by that radius); for the
-    tube the distance to its surface is exact."""
-    near = np.zeros(points.shape[:-1], bool)
-    ellipsoids = [phantom.body] + [(c, r) for c, r, _ in phantom.organs]
-    ellipsoids += [lesion for _, _, lesion in phantom.organs if lesion is not None]
-    for centre, radii in ellipsoids:
+def _near_surfaces(phantom: Phantom, points: np.ndarray, reach: float) -> list:
+    """For each of `_shapes` (None where it is), whether its surface may pass within `reach` mm of each world
+    point (..., 3): never False where it does. For an ellipsoid, |F - 1| * (its smallest radius), F the
+    point's scaled radius, is a lower bound on the distance to its surface (the scaling moves no two points
+    closer than by that radius); for the tube the distance to its surface is exact."""
+
+    def ellipsoid(centre: np.ndarray, radii: np.ndarray) -> np.ndarray:
         scaled = np.sqrt((((points - centre) / radii) ** 2).sum(-1))
-        near |= np.abs(scaled - 1.0) * float(np.min(radii)) <= reach
+        return np.abs(scaled - 1.0) * float(np.min(radii)) <= reach
+
+    near = [ellipsoid(*phantom.body)]
+    for centre, radii, lesion in phantom.organs:
+        near += [ellipsoid(centre, radii), None if lesion is None else ellipsoid(*lesion)]
     axis, a, b, radius = phantom.tube
     u, v = [points[..., i] for i in range(3) if i != axis]
-    near |= np.abs(np.sqrt((u - a) ** 2 + (v - b) ** 2) - radius) <= reach
-    return near
+    return [*near, np.abs(np.sqrt((u - a) ** 2 + (v - b) ** 2) - radius) <= reach]
+
+
+def near_boundary(phantom: Phantom, points: np.ndarray, reach: float) -> np.ndarray:
+    """Whether any surface of the phantom may pass within `reach` mm of each world point (..., 3) (see
+    `_near_surfaces`)."""
+    return np.logical_or.reduce([m for m in _near_surfaces(phantom, points, reach) if m is not None])
 
 
 def _sampled(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray):
     """(intensity, label) at every voxel centre, the grid's affine, the mask of voxels whose box a boundary may
     cross, and a generator of (intensity, label) at those voxels' points for each of `subsample_offsets` in
     turn. Elsewhere the voxel holds one class, so its centre stands for its box (the bias field is smooth at a
-    voxel's scale)."""
+    voxel's scale). Likewise a sub-sample is tested against only the solids whose surface passes near its
+    voxel; for the others it is where the voxel's centre is (the same answer, found in a fraction of the time)."""
     index, affine = _grid_points(acquisition, fov)
 
     def world(idx: np.ndarray) -> np.ndarray:
         return idx @ affine[:3, :3].T + affine[:3, 3]
 
     centres = world(index)
-    intensity, label = evaluate_phantom(phantom, centres, fov)
-    near = near_boundary(phantom, centres, 0.5 * float(np.linalg.norm(acquisition.spacing)))
+    shapes = _shapes(phantom)
+    at_centres = [None if f is None else f(centres) for f in shapes]
+    close = _near_surfaces(phantom, centres, 0.5 * float(np.linalg.norm(acquisition.spacing)))
+    near = np.logical_or.reduce([m for m in close if m is not None])
+    intensity, label = _compose(phantom, at_centres, centres, fov)
     inner = index[near]
-    samples = (evaluate_phantom(phantom, world(inner + offset), fov) for offset in subsample_offsets(acquisition))
+    centre_inside = [None if m is None else m[near] for m in at_centres]
+    close = [None if m is None else m[near] for m in close]
+
+    def sample(offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        points = world(inner + offset)
+        inside = []
+        for f, centre, crossed in zip(shapes, centre_inside, close):
+            if f is not None:
+                centre = centre.copy()
+                centre[crossed] = f(points[crossed])
+            inside.append(centre)
+        return _compose(phantom, inside, points, fov)
+
+    samples = (sample(offset) for offset in subsample_offsets(acquisition))
     return intensity, label, affine, near, samples
 
 
