@@ -185,12 +185,6 @@ def _near_surfaces(phantom: Phantom, points: np.ndarray, reach: float) -> list:
     return [*near, np.abs(np.sqrt((u - a) ** 2 + (v - b) ** 2) - radius) <= reach]
 
 
-def near_boundary(phantom: Phantom, points: np.ndarray, reach: float) -> np.ndarray:
-    """Whether any surface of the phantom may pass within `reach` mm of each world point (..., 3) (see
-    `_near_surfaces`)."""
-    return np.logical_or.reduce([m for m in _near_surfaces(phantom, points, reach) if m is not None])
-
-
 def _sampled(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray):
     """(intensity, label) at every voxel centre, the grid's affine, the mask of voxels whose box a boundary may
     cross, and a generator of (intensity, label) at those voxels' points for each of `subsample_offsets` in
