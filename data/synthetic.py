@@ -105,14 +105,24 @@ def draw_phantom(rng: np.random.Generator, fov: np.ndarray) -> Phantom:
     return Phantom(body, organs, tube, bias, int(rng.integers(2**31)))
 
 
+def _scaled_radius_sq(points: np.ndarray, centre: np.ndarray, radii: np.ndarray) -> np.ndarray:
+    """The square of each world point's (..., 3) scaled radius in an ellipsoid: <= 1 inside it."""
+    return (((points - centre) / radii) ** 2).sum(-1)
+
+
 def _inside(points: np.ndarray, centre: np.ndarray, radii: np.ndarray) -> np.ndarray:
-    return (((points - centre) / radii) ** 2).sum(-1) <= 1.0
+    return _scaled_radius_sq(points, centre, radii) <= 1.0
+
+
+def _tube_distance_sq(points: np.ndarray, tube: tuple[int, float, float, float]) -> np.ndarray:
+    """The square of each world point's (..., 3) distance from the tube's axis."""
+    axis, a, b, _ = tube
+    u, v = [points[..., i] for i in range(3) if i != axis]
+    return (u - a) ** 2 + (v - b) ** 2
 
 
 def _in_tube(points: np.ndarray, tube: tuple[int, float, float, float]) -> np.ndarray:
-    axis, a, b, radius = tube
-    u, v = [points[..., i] for i in range(3) if i != axis]
-    return (u - a) ** 2 + (v - b) ** 2 <= radius**2
+    return _tube_distance_sq(points, tube) <= tube[3] ** 2
 
 
 def _shapes(phantom: Phantom) -> list:
@@ -174,15 +184,14 @@ def _near_surfaces(phantom: Phantom, points: np.ndarray, reach: float) -> list:
     closer than by that radius); for the tube the distance to its surface is exact."""
 
     def ellipsoid(centre: np.ndarray, radii: np.ndarray) -> np.ndarray:
-        scaled = np.sqrt((((points - centre) / radii) ** 2).sum(-1))
+        scaled = np.sqrt(_scaled_radius_sq(points, centre, radii))
         return np.abs(scaled - 1.0) * float(np.min(radii)) <= reach
 
     near = [ellipsoid(*phantom.body)]
     for centre, radii, lesion in phantom.organs:
         near += [ellipsoid(centre, radii), None if lesion is None else ellipsoid(*lesion)]
-    axis, a, b, radius = phantom.tube
-    u, v = [points[..., i] for i in range(3) if i != axis]
-    return [*near, np.abs(np.sqrt((u - a) ** 2 + (v - b) ** 2) - radius) <= reach]
+    tube_radius = phantom.tube[3]
+    return [*near, np.abs(np.sqrt(_tube_distance_sq(points, phantom.tube)) - tube_radius) <= reach]
 
 
 def _sampled(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray):
@@ -209,11 +218,12 @@ def _sampled(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray):
     def sample(offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         points = world(inner + offset)
         inside = []
-        for f, centre, crossed in zip(shapes, centre_inside, close):
+        for f, at_centre, crossed in zip(shapes, centre_inside, close):
+            inside_k = at_centre
             if f is not None:
-                centre = centre.copy()
-                centre[crossed] = f(points[crossed])
-            inside.append(centre)
+                inside_k = at_centre.copy()
+                inside_k[crossed] = f(points[crossed])
+            inside.append(inside_k)
         return _compose(phantom, inside, points, fov)
 
     samples = (sample(offset) for offset in subsample_offsets(acquisition))
