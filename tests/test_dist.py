@@ -124,3 +124,33 @@ def test_arrive_waits_for_late_ranks_and_gives_up_on_absent_ones(tmp_path):
     assert everyone is True
     assert returned_at >= max(r[1] for r in results), "rank 0 returned only once the last rank had arrived"
     assert alone is False and 0.5 <= gave_up_after < 5
+
+
+def _ddp_released(info: dist.DistInfo, out: Path) -> None:
+    import gc
+    import weakref
+
+    import torch.distributed as torch_dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    gc.disable()  # no collection by chance: what frees the wrapper must be cleanup itself
+    wrapped = DDP(torch.nn.Conv3d(1, 2, 3))
+    wrapped(torch.randn(2, 1, 5, 5, 5)).sum().backward()  # a step's allreduce through the reducer
+    wrapped.cycle = [wrapped]  # as the garbage of torch's lazy imports holds the first DDP's __init__ frame
+    freed_with_group = []
+    weakref.finalize(wrapped, lambda: freed_with_group.append(torch_dist.is_initialized()))
+    del wrapped
+    held_after_del = not freed_with_group
+    dist.cleanup()
+    gc.enable()
+    (out / f"{info.rank}.json").write_text(json.dumps([held_after_del, freed_with_group]))
+
+
+def test_cleanup_frees_ddp_wrappers_while_the_group_is_whole(tmp_path):
+    """A DDP wrapper out of scope but held by cycle garbage keeps the group through its reducer; cleanup frees it
+    before destroying the group, not during the interpreter's shutdown, where a rank then aborted at exit."""
+    spawn_ranks(_ddp_released, 2, tmp_path)
+    for rank in range(2):
+        held_after_del, freed_with_group = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert held_after_del, "the wrapper outlives `del` (a cycle): otherwise this test shows nothing"
+        assert freed_with_group == [True], "freed by cleanup, while the process group still existed"

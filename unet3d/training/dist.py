@@ -8,6 +8,7 @@ the logical device cuda:i, whatever physical GPU that is.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -92,8 +93,15 @@ def setup(timeout: timedelta | None = None, setup_timeout: timedelta | None = No
 
 
 def cleanup() -> None:
-    """Destroy the process group if there is one; safe to call in `finally`."""
+    """Destroy the process group if there is one; safe to call in `finally`.
+
+    DistributedDataParallel sits in a reference cycle, so a wrapper already out of scope still holds the
+    group through its reducer until the cycle collector runs, which may be during the interpreter's
+    shutdown, after the group was destroyed (a rank then aborts at exit). Collecting first lets the
+    group's last users go while the group and the interpreter are whole.
+    """
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
