@@ -34,6 +34,7 @@ from unet3d.inference.devices import choose_device
 from unet3d.inference.metrics import case_metrics
 from unet3d.inference.outputs import (
     print_table,
+    rows_from_json,
     save_prediction,
     save_probabilities,
     summarise,
@@ -258,6 +259,7 @@ def finish(args, result: dict[str, Any], shard_files: list[Path]) -> int:
     out = output_dir(args)
     for path in shard_files:
         part = json.loads(path.read_text())
+        part["rows"] = rows_from_json(part["rows"])
         for key in MERGED:
             result[key] = result.get(key, []) + part[key]
         result["owners"] = {**result.get("owners", {}), **part["owners"]}

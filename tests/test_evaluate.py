@@ -141,3 +141,25 @@ def test_a_label_on_another_grid_is_one_failed_case_and_the_rest_is_scored(weigh
     rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
     assert {r["case"] for r in rows} == {"synth_006"}, "the other case is still predicted and scored"
     assert not (out / "predictions" / "synth_007.nii.gz").exists()
+
+
+def test_cases_sharded_over_workers_are_scored_as_by_one_with_undefined_hd95(weights, tiny_dataset, tmp_path):
+    """A model that predicts only background leaves every foreground HD95 undefined (NaN): the shards hand their
+    rows over as JSON, where NaN is null, and the merged summary and metrics.csv must equal one process's."""
+    weights = {**weights, "head.weight": torch.zeros_like(weights["head.weight"])}
+    weights["head.bias"] = torch.tensor([10.0, -10.0, -10.0])
+    torch.save(weights, tmp_path / "background.pt")
+    outputs = {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        command = ["python", "evaluate.py", "--checkpoint", str(tmp_path / "background.pt"), "--split", "test"]
+        command += ["--data-dir", str(tiny_dataset), "--out-dir", str(out), "--device", "cpu", "--window", "16"]
+        result = run([*command, "--workers", str(workers)], timeout=120)
+        assert result.returncode == 0, result.stderr
+        rows = sorted(csv.DictReader((out / "metrics.csv").read_text().splitlines()), key=lambda r: r["case"])
+        outputs[workers] = rows, json.loads((out / "summary.json").read_text())
+    (rows_one, one), (rows_two, two) = outputs[1], outputs[2]
+    assert len(rows_one) == 4 and all(r["hd95_mm"] == "nan" and float(r["dice"]) == 0 for r in rows_one)
+    assert rows_two == rows_one
+    assert two["classes"] == one["classes"] and two["classes"]["lesion"]["hd95_undefined"] == 2
+    assert two["mean_dice"] == one["mean_dice"] == 0

@@ -60,6 +60,12 @@ def summarise(rows: list[dict[str, Any]], class_names: Sequence[str]) -> dict[st
     return {"mean_dice": float(np.mean(dice)) if dice else None, "classes": classes}
 
 
+def rows_from_json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Metric rows read back from JSON (a shard's), where `plain` wrote an undefined value (NaN) as null: NaN
+    again, so they are summarised and written like the rows of a single process."""
+    return [{k: math.nan if k in METRICS and v is None else v for k, v in row.items()} for row in rows]
+
+
 def print_table(summary: dict[str, Any], num_cases: int) -> None:
     def cell(stat: dict[str, Any]) -> str:
         return "n/a" if stat["mean"] is None else f"{stat['mean']:.4f} ± {stat['std']:.4f}"
