@@ -15,11 +15,17 @@ the gaps to the uniform run of the same seed, and two cross-evaluations that tel
 scans: the mixed-trained model on the uniform test scans, and the uniform-trained model on the mixed ones.
 Each run starts from an empty folder (a rerun replaces the last one's runs); its output is kept in
 OUT/NAME-seedS.train.log and .eval.log.
+
+The default dataset's test split has 4 cases (two isotropic, one thick-slice axial, one sagittal scan in the
+mixed data), so one case's lesion decides a tenth of the mean. `--test-cases N` writes the datasets with N
+test cases instead (the training cases, and so the runs, are the same: test cases come after them), and
+every line then gives the mean over all N, over the default split's 4 (the first 4), and per protocol.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import shutil
@@ -31,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from data.synthetic import folder_name  # noqa: E402
+from data.synthetic import case_acquisition, folder_name, write_synthetic_dataset  # noqa: E402
 from unet3d.training.config import TrainConfig  # noqa: E402
 
 DEFAULT = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -43,6 +49,41 @@ RUNS = {
     + ["--crop", "none"],
 }
 SHORT = {"mixed": "mixed", "off": "mixed, geometry off"}  # --runs
+DEFAULT_TEST = 4  # the default dataset's test cases (write_synthetic_dataset's num_test)
+
+
+def write_datasets(out: Path, seed: int, test_cases: int) -> dict[str, Path]:
+    """Both acquisitions of the seed's anatomy under OUT/synthetic, where the runs find them, with `test_cases`
+    test cases (a folder written with another number is written anew)."""
+    cases, size = DEFAULT_DATASET
+    folders = {}
+    for geometry in ("uniform", "mixed"):
+        folder = out / "synthetic" / folder_name(cases, size, seed, geometry)
+        meta = folder / "dataset.json"
+        if meta.is_file() and json.loads(meta.read_text())["numTest"] != test_cases:
+            shutil.rmtree(folder)
+        folders[geometry] = write_synthetic_dataset(folder, cases, size, seed, test_cases, geometry)
+    return folders
+
+
+def protocol_scores(metrics: Path, geometry: str) -> dict[str, float]:
+    """From evaluate.py's metrics.csv: the mean Dice (evaluate.py's definition: per class over cases, then over
+    classes) of the default split's first DEFAULT_TEST test cases, and of each acquisition protocol's cases."""
+    rows = list(csv.DictReader(metrics.read_text().splitlines()))
+    first = min(int(r["case"].split("_")[-1]) for r in rows)
+
+    def mean_dice(keep) -> float | None:
+        by_class: dict[str, list[float]] = {}
+        for r in rows:
+            if keep(int(r["case"].split("_")[-1])):
+                by_class.setdefault(r["class_name"], []).append(float(r["dice"]))
+        return statistics.mean(statistics.mean(v) for v in by_class.values()) if by_class else None
+
+    scores = {"default_split_mean_dice": mean_dice(lambda i: i < first + DEFAULT_TEST)}
+    protocols = sorted({case_acquisition(geometry, int(r["case"].split("_")[-1])).name for r in rows})
+    for name in protocols:
+        scores[f"protocol {name}"] = mean_dice(lambda i, n=name: case_acquisition(geometry, i).name == n)
+    return scores
 
 
 def logged(command: list[str], log: Path) -> None:
@@ -55,42 +96,42 @@ def logged(command: list[str], log: Path) -> None:
         sys.exit(f"{' '.join(command)} failed (exit {code}); the end of {log}:\n{tail}")
 
 
-def evaluate(checkpoint: Path, data: Path | None, out: Path, log: Path, tta: bool = False) -> dict:
-    """evaluate.py --split test (on `data`, or the checkpoint's own dataset): mean Dice and per class, in a
-    folder emptied first, so nothing of an earlier benchmark is left among its files; with `tta`, also the
-    mean Dice with mirroring TTA (`evaluate.py --tta`, in OUT_tta) as "tta_mean_dice"."""
+def evaluate(checkpoint: Path, data: Path, geometry: str, out: Path, log: Path, tta: bool = False) -> dict:
+    """evaluate.py --split test on `data` (acquired with `geometry`): mean Dice, per class, over the default
+    split's cases and per protocol (`protocol_scores`), in a folder emptied first, so nothing of an earlier
+    benchmark is left among its files; with `tta`, also the mean Dice with mirroring TTA (`evaluate.py --tta`,
+    in OUT_tta) as "tta_mean_dice", and its other scores under "tta"."""
     result = {}
     for mirrored in (False, True) if tta else (False,):
         folder = out.with_name(out.name + "_tta") if mirrored else out
         shutil.rmtree(folder, ignore_errors=True)
         command = [sys.executable, "evaluate.py", "--checkpoint", str(checkpoint), "--split", "test", "--device", "cpu"]
-        command += (
-            ["--out-dir", str(folder)] + (["--data-dir", str(data)] if data else []) + (["--tta"] if mirrored else [])
-        )
+        command += ["--out-dir", str(folder), "--data-dir", str(data)] + (["--tta"] if mirrored else [])
         logged(command, log.with_name(log.stem + "_tta" + log.suffix) if mirrored else log)
         summary = json.loads((folder / "summary.json").read_text())
+        parts = protocol_scores(folder / "metrics.csv", geometry)
         if mirrored:
             result["tta_mean_dice"] = summary["mean_dice"]
+            result["tta"] = parts
         else:
-            result = {
-                "mean_dice": summary["mean_dice"],
-                **{k: v["dice"]["mean"] for k, v in summary["classes"].items()},
-            }
+            classes = {k: v["dice"]["mean"] for k, v in summary["classes"].items()}
+            result = {"mean_dice": summary["mean_dice"], "num_cases": summary["num_scored"], **classes, **parts}
     return result
 
 
-def run(name: str, extra: list[str], seed: int, args: argparse.Namespace) -> tuple[Path, dict]:
+def run(name: str, extra: list[str], seed: int, data: Path, args: argparse.Namespace) -> tuple[Path, dict]:
     out = Path(args.out) / f"{name.replace(', ', '-').replace(' ', '-')}-seed{seed}"
     shutil.rmtree(out, ignore_errors=True)  # a fresh run: launch.sh would resume the last benchmark's checkpoint
     command = ["bash", "launch.sh", "cpu:2", "--out-dir", str(out), "--time-limit", str(args.time_limit)]
     command += ["--synthetic-dir", str(Path(args.out) / "synthetic"), "--seed", str(seed), *extra]
     logged(command, out.parent / f"{out.name}.train.log")
     best = out / "checkpoints" / "best.pt"
-    return best, evaluate(best, None, out / "eval_test", out.parent / f"{out.name}.eval.log", args.tta)
+    geometry = extra[extra.index("--synthetic-geometry") + 1]
+    return best, evaluate(best, data, geometry, out / "eval_test", out.parent / f"{out.name}.eval.log", args.tta)
 
 
 def line(name: str, r: dict, base: dict | None) -> str:
-    classes = ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k not in ("mean_dice", "tta_mean_dice"))
+    classes = ", ".join(f"{k} {r[k]:.3f}" for k in ("organ", "lesion") if k in r)
     text = f"  {name:<40} {r['mean_dice']:.4f}  ({classes})"
     if base is not None:
         text += f"   gap to uniform {r['mean_dice'] - base['mean_dice']:+.3f}"
@@ -98,6 +139,13 @@ def line(name: str, r: dict, base: dict | None) -> str:
         text += f"   with TTA {r['tta_mean_dice']:.4f}"
         if base is not None:
             text += f" (gap {r['tta_mean_dice'] - base['tta_mean_dice']:+.3f})"
+    if r.get("num_cases", DEFAULT_TEST) > DEFAULT_TEST:
+        for label, scores in (("", r), ("with TTA ", r.get("tta"))):
+            if scores is None:
+                continue
+            default = scores["default_split_mean_dice"]
+            parts = ", ".join(f"{k[9:]} {v:.3f}" for k, v in scores.items() if k.startswith("protocol "))
+            text += f"\n  {'':<40} {label}default split's {DEFAULT_TEST} cases {default:.4f}; per protocol: {parts}"
     return text
 
 
@@ -117,24 +165,33 @@ def main(argv=None) -> int:
     p.add_argument(
         "--tta", action="store_true", help="also evaluate every model with mirroring TTA (evaluate.py --tta)"
     )
+    p.add_argument(
+        "--test-cases",
+        type=int,
+        default=DEFAULT_TEST,
+        help=f"test cases per dataset (default {DEFAULT_TEST}, the default dataset's); the training cases are the same",
+    )
     args = p.parse_args(argv)
     chosen = {n: e for n, e in RUNS.items() if n == "uniform" or any(SHORT[r] == n for r in args.runs)}
     out, results = Path(args.out), {}
     print(f"test mean Dice after {args.time_limit:.0f} s of training on 2 CPU ranks, scored on each image's own grid")
+    if args.test_cases < DEFAULT_TEST:
+        p.error(f"--test-cases {args.test_cases}: at least the default split's {DEFAULT_TEST}")
     for seed in args.seeds:
         checkpoints, runs = {}, {}
+        data = write_datasets(out, seed, args.test_cases)
         for name, extra in chosen.items():
-            checkpoints[name], runs[name] = run(name, extra, seed, args)
-        data = {g: out / "synthetic" / folder_name(*DEFAULT_DATASET, seed, g) for g in ("uniform", "mixed")}
+            geometry = extra[extra.index("--synthetic-geometry") + 1]
+            checkpoints[name], runs[name] = run(name, extra, seed, data[geometry], args)
         cross = {}
         if "mixed" in checkpoints:
             cross = {
-                "mixed-trained model, uniform test scans": (checkpoints["mixed"], data["uniform"]),
-                "uniform-trained model, mixed test scans": (checkpoints["uniform"], data["mixed"]),
+                "mixed-trained model, uniform test scans": (checkpoints["mixed"], "uniform"),
+                "uniform-trained model, mixed test scans": (checkpoints["uniform"], "mixed"),
             }
-        for name, (checkpoint, folder) in cross.items():
+        for name, (checkpoint, geometry) in cross.items():
             tag = f"cross-{'mixed' if name.startswith('mixed') else 'uniform'}-model-seed{seed}"
-            runs[name] = evaluate(checkpoint, folder, out / tag, out / f"{tag}.log", args.tta)
+            runs[name] = evaluate(checkpoint, data[geometry], geometry, out / tag, out / f"{tag}.log", args.tta)
         base = runs["uniform"]
         print(f"seed {seed}")
         for name, r in runs.items():

@@ -1,0 +1,59 @@
+"""benchmarks/geometry.py's scoring: the larger test split it can write, and the means it reads back from
+evaluate.py's metrics.csv (over the default split's cases and per acquisition protocol)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from benchmarks import geometry as bench
+from data.synthetic import case_acquisition
+
+
+def write_metrics(path, dice: dict[tuple[int, str], float]) -> None:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=["case", "class", "class_name", "dice"])
+    writer.writeheader()
+    for (index, name), value in dice.items():
+        writer.writerow({"case": f"synth_{index:03d}", "class": name, "class_name": name, "dice": value})
+    path.write_text(buffer.getvalue())
+
+
+def test_protocol_scores_follow_evaluate_definition(tmp_path):
+    """Per class over the chosen cases, then over classes; the default split is the first four test cases."""
+    rng = np.random.default_rng(0)
+    cases = range(24, 33)  # nine test cases after 24 training cases: three of each mixed protocol
+    dice = {(i, name): float(rng.uniform(0.5, 1.0)) for i in cases for name in ("organ", "lesion")}
+    write_metrics(tmp_path / "metrics.csv", dice)
+    scores = bench.protocol_scores(tmp_path / "metrics.csv", "mixed")
+
+    def by_hand(indices) -> float:
+        return np.mean([np.mean([dice[(i, name)] for i in indices]) for name in ("organ", "lesion")])
+
+    assert scores["default_split_mean_dice"] == pytest.approx(by_hand(range(24, 28)))
+    protocols = {case_acquisition("mixed", i).name for i in cases}
+    assert len(protocols) == 3 and {k for k in scores if k.startswith("protocol ")} == {
+        f"protocol {p}" for p in protocols
+    }
+    for name in protocols:
+        mine = [i for i in cases if case_acquisition("mixed", i).name == name]
+        assert len(mine) == 3 and scores[f"protocol {name}"] == pytest.approx(by_hand(mine))
+
+
+def test_datasets_with_more_test_cases_keep_the_training_cases(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "DEFAULT_DATASET", (2, 16))
+    small = bench.write_datasets(tmp_path, seed=3, test_cases=4)
+    before = {g: np.asarray(nib.load(f / "imagesTr" / "synth_001.nii.gz").dataobj) for g, f in small.items()}
+    large = bench.write_datasets(tmp_path, seed=3, test_cases=6)  # a folder of 4 test cases is written anew
+    assert large == small
+    for geometry, folder in large.items():
+        meta = json.loads((folder / "dataset.json").read_text())
+        assert meta["numTraining"] == 2 and meta["numTest"] == 6
+        assert len(list((folder / "labelsTs").glob("*.nii.gz"))) == 6
+        after = np.asarray(nib.load(folder / "imagesTr" / "synth_001.nii.gz").dataobj)
+        assert np.array_equal(after, before[geometry]), "the training cases, and so the runs, are the same"
