@@ -20,6 +20,7 @@ The default dataset's test split has 4 cases (two isotropic, one thick-slice axi
 mixed data), so one case's lesion decides a tenth of the mean. `--test-cases N` writes the datasets with N
 test cases instead (the training cases, and so the runs, are the same: test cases come after them), and
 every line then gives the mean over all N, over the default split's 4 (the first 4), and per protocol.
+`--noise-free-reader` trains nothing and prints what each acquisition can show at best (`noise_free_reader`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from data.synthetic import case_acquisition, folder_name, write_synthetic_dataset  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from data.synthetic import (  # noqa: E402
+    LABELS,
+    case_acquisition,
+    class_fractions,
+    draw_phantom,
+    extent,
+    folder_name,
+    generate_case,
+    write_synthetic_dataset,
+)
+from unet3d.inference.metrics import confusion_counts, dice_from_counts  # noqa: E402
 from unet3d.training.config import TrainConfig  # noqa: E402
 
 DEFAULT = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -94,6 +108,28 @@ def logged(command: list[str], log: Path) -> None:
     if code != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
         sys.exit(f"{' '.join(command)} failed (exit {code}); the end of {log}:\n{tail}")
+
+
+def noise_free_reader(seed: int, test_cases: int) -> dict[str, dict[str, float]]:
+    """What each acquisition can show at best: the test mean Dice (evaluate.py's definition) of a reader who
+    knows, without noise, the share of each voxel that each class fills (`data.synthetic.class_fractions`) and
+    takes the largest, scored against the labels as written; per geometry, overall and per protocol."""
+    cases, size = DEFAULT_DATASET
+    fov = extent(size)
+    scores = {}
+    for geometry in ("uniform", "mixed"):
+        dice: dict[str, list[np.ndarray]] = {}  # protocol -> per case, Dice of each foreground class
+        for index in range(cases, cases + test_cases):
+            acquisition = case_acquisition(geometry, index)
+            phantom = draw_phantom(np.random.default_rng([seed, index]), fov)
+            read = class_fractions(phantom, acquisition, fov).argmax(0)
+            label = generate_case(seed, index, size, geometry)[1]
+            counts = confusion_counts(torch.from_numpy(read), torch.from_numpy(label), len(LABELS))
+            dice.setdefault(acquisition.name, []).append(dice_from_counts(counts)[1:].numpy())
+        every = np.concatenate([np.stack(v) for v in dice.values()])
+        scores[geometry] = {"mean_dice": float(every.mean(0).mean())}
+        scores[geometry].update({f"protocol {k}": float(np.stack(v).mean(0).mean()) for k, v in dice.items()})
+    return scores
 
 
 def evaluate(checkpoint: Path, data: Path, geometry: str, out: Path, log: Path, tta: bool = False) -> dict:
@@ -171,12 +207,24 @@ def main(argv=None) -> int:
         default=DEFAULT_TEST,
         help=f"test cases per dataset (default {DEFAULT_TEST}, the default dataset's); the training cases are the same",
     )
+    p.add_argument(
+        "--noise-free-reader",
+        action="store_true",
+        help="train nothing: print what each acquisition can show at best (`noise_free_reader`) on the test cases",
+    )
     args = p.parse_args(argv)
+    if args.test_cases < DEFAULT_TEST:
+        p.error(f"--test-cases {args.test_cases}: at least the default split's {DEFAULT_TEST}")
+    if args.noise_free_reader:
+        print(f"test mean Dice of a noise-free reader of each voxel's class fractions, {args.test_cases} test cases")
+        for seed in args.seeds:
+            for geometry, scores in noise_free_reader(seed, args.test_cases).items():
+                parts = ", ".join(f"{k[9:]} {v:.4f}" for k, v in scores.items() if k.startswith("protocol "))
+                print(f"  seed {seed}, {geometry:<8} {scores['mean_dice']:.4f}  (per protocol: {parts})")
+        return 0
     chosen = {n: e for n, e in RUNS.items() if n == "uniform" or any(SHORT[r] == n for r in args.runs)}
     out, results = Path(args.out), {}
     print(f"test mean Dice after {args.time_limit:.0f} s of training on 2 CPU ranks, scored on each image's own grid")
-    if args.test_cases < DEFAULT_TEST:
-        p.error(f"--test-cases {args.test_cases}: at least the default split's {DEFAULT_TEST}")
     for seed in args.seeds:
         checkpoints, runs = {}, {}
         data = write_datasets(out, seed, args.test_cases)

@@ -57,3 +57,17 @@ def test_datasets_with_more_test_cases_keep_the_training_cases(tmp_path, monkeyp
         assert len(list((folder / "labelsTs").glob("*.nii.gz"))) == 6
         after = np.asarray(nib.load(folder / "imagesTr" / "synth_001.nii.gz").dataobj)
         assert np.array_equal(after, before[geometry]), "the training cases, and so the runs, are the same"
+
+
+def test_noise_free_reader_scores_every_protocol(monkeypatch):
+    """Overall: per class over all test cases, then over classes; each protocol the same over its own cases."""
+    monkeypatch.setattr(bench, "DEFAULT_DATASET", (2, 16))
+    scores = bench.noise_free_reader(seed=3, test_cases=4)
+    assert set(scores) == {"uniform", "mixed"}
+    names = {case_acquisition("mixed", i).name for i in range(2, 6)}
+    assert {k[9:] for k in scores["mixed"] if k.startswith("protocol ")} == names and len(names) == 3
+    for geometry, parts in scores.items():
+        assert 0.8 < parts["mean_dice"] <= 1.0, (geometry, parts)
+    counts = {name: sum(case_acquisition("mixed", i).name == name for i in range(2, 6)) for name in names}
+    weighted = sum(counts[n] * scores["mixed"][f"protocol {n}"] for n in names) / 4
+    assert scores["mixed"]["mean_dice"] == pytest.approx(weighted)
