@@ -21,6 +21,12 @@ mixed data), so one case's lesion decides a tenth of the mean. `--test-cases N` 
 test cases instead (the training cases, and so the runs, are the same: test cases come after them), and
 every line then gives the mean over all N, over the default split's 4 (the first 4), and per protocol.
 `--noise-free-reader` trains nothing and prints what each acquisition can show at best (`noise_free_reader`).
+
+`--every-protocol` tells what the geometry handling recovers from what the acquisitions lose: the test anatomies
+are also written acquired by each protocol of the mixed data alone (`--synthetic-geometry isotropic`, `axial`,
+`sagittal`), and the mixed-trained and uniform-trained models are scored on each. The mixed-trained model on
+the isotropic scans of every test anatomy against the uniform model on the uniform scans is the handling's
+part of the gap; its thick-slice scores against its isotropic one are what the thick slices cost that model.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import torch  # noqa: E402
 
 from data.synthetic import (  # noqa: E402
     LABELS,
+    SINGLE_PROTOCOLS,
     case_acquisition,
     class_fractions,
     draw_phantom,
@@ -66,12 +73,14 @@ SHORT = {"mixed": "mixed", "off": "mixed, geometry off"}  # --runs
 DEFAULT_TEST = 4  # the default dataset's test cases (write_synthetic_dataset's num_test)
 
 
-def write_datasets(out: Path, seed: int, test_cases: int) -> dict[str, Path]:
-    """Both acquisitions of the seed's anatomy under OUT/synthetic, where the runs find them, with `test_cases`
-    test cases (a folder written with another number is written anew)."""
+def write_datasets(
+    out: Path, seed: int, test_cases: int, geometries: tuple[str, ...] = ("uniform", "mixed")
+) -> dict[str, Path]:
+    """The seed's anatomy acquired with each of `geometries` under OUT/synthetic, where the runs find them, with
+    `test_cases` test cases (a folder written with another number is written anew)."""
     cases, size = DEFAULT_DATASET
     folders = {}
-    for geometry in ("uniform", "mixed"):
+    for geometry in geometries:
         folder = out / "synthetic" / folder_name(cases, size, seed, geometry)
         meta = folder / "dataset.json"
         if meta.is_file() and json.loads(meta.read_text())["numTest"] != test_cases:
@@ -168,7 +177,7 @@ def run(name: str, extra: list[str], seed: int, data: Path, args: argparse.Names
 
 def line(name: str, r: dict, base: dict | None) -> str:
     classes = ", ".join(f"{k} {r[k]:.3f}" for k in ("organ", "lesion") if k in r)
-    text = f"  {name:<40} {r['mean_dice']:.4f}  ({classes})"
+    text = f"  {name:<44} {r['mean_dice']:.4f}  ({classes})"
     if base is not None:
         text += f"   gap to uniform {r['mean_dice'] - base['mean_dice']:+.3f}"
     if "tta_mean_dice" in r:
@@ -181,7 +190,7 @@ def line(name: str, r: dict, base: dict | None) -> str:
                 continue
             default = scores["default_split_mean_dice"]
             parts = ", ".join(f"{k[9:]} {v:.3f}" for k, v in scores.items() if k.startswith("protocol "))
-            text += f"\n  {'':<40} {label}default split's {DEFAULT_TEST} cases {default:.4f}; per protocol: {parts}"
+            text += f"\n  {'':<44} {label}default split's {DEFAULT_TEST} cases {default:.4f}; per protocol: {parts}"
     return text
 
 
@@ -208,6 +217,12 @@ def main(argv=None) -> int:
         help=f"test cases per dataset (default {DEFAULT_TEST}, the default dataset's); the training cases are the same",
     )
     p.add_argument(
+        "--every-protocol",
+        action="store_true",
+        help="also score the mixed-trained and uniform-trained models on the test anatomies acquired by each "
+        "protocol of the mixed data alone (needs the mixed runs)",
+    )
+    p.add_argument(
         "--noise-free-reader",
         action="store_true",
         help="train nothing: print what each acquisition can show at best (`noise_free_reader`) on the test cases",
@@ -223,6 +238,8 @@ def main(argv=None) -> int:
                 print(f"  seed {seed}, {geometry:<8} {scores['mean_dice']:.4f}  (per protocol: {parts})")
         return 0
     chosen = {n: e for n, e in RUNS.items() if n == "uniform" or any(SHORT[r] == n for r in args.runs)}
+    if args.every_protocol and "mixed" not in chosen:
+        p.error("--every-protocol scores the mixed-trained model: keep mixed in --runs")
     out, results = Path(args.out), {}
     print(f"test mean Dice after {args.time_limit:.0f} s of training on 2 CPU ranks, scored on each image's own grid")
     for seed in args.seeds:
@@ -231,15 +248,21 @@ def main(argv=None) -> int:
         for name, extra in chosen.items():
             geometry = extra[extra.index("--synthetic-geometry") + 1]
             checkpoints[name], runs[name] = run(name, extra, seed, data[geometry], args)
-        cross = {}
+        cross = {}  # name -> (checkpoint, geometry of the scans, their dataset, the folder's tag)
         if "mixed" in checkpoints:
             cross = {
-                "mixed-trained model, uniform test scans": (checkpoints["mixed"], "uniform"),
-                "uniform-trained model, mixed test scans": (checkpoints["uniform"], "mixed"),
+                "mixed-trained model, uniform test scans": (checkpoints["mixed"], "uniform", data["uniform"], "mixed"),
+                "uniform-trained model, mixed test scans": (checkpoints["uniform"], "mixed", data["mixed"], "uniform"),
             }
-        for name, (checkpoint, geometry) in cross.items():
-            tag = f"cross-{'mixed' if name.startswith('mixed') else 'uniform'}-model-seed{seed}"
-            runs[name] = evaluate(checkpoint, data[geometry], geometry, out / tag, out / f"{tag}.log", args.tta)
+        if args.every_protocol:
+            scans = write_datasets(out, seed, args.test_cases, SINGLE_PROTOCOLS)
+            for model in ("mixed", "uniform"):
+                for protocol in SINGLE_PROTOCOLS:
+                    name = f"{model}-trained model, {protocol} test scans"
+                    cross[name] = (checkpoints[model], protocol, scans[protocol], f"{model}-{protocol}")
+        for name, (checkpoint, geometry, scans, tag) in cross.items():
+            folder = f"cross-{tag}-model-seed{seed}" if tag in ("mixed", "uniform") else f"cross-{tag}-seed{seed}"
+            runs[name] = evaluate(checkpoint, scans, geometry, out / folder, out / f"{folder}.log", args.tta)
         base = runs["uniform"]
         print(f"seed {seed}")
         for name, r in runs.items():
@@ -250,12 +273,12 @@ def main(argv=None) -> int:
             if key not in results[args.seeds[0]]["uniform"]:
                 continue
             print(f"mean over seeds {args.seeds} (range){title}")
-            for name in chosen:
+            for name in results[args.seeds[0]]:
                 values = [results[s][name][key] for s in args.seeds]
                 gaps = [results[s][name][key] - results[s]["uniform"][key] for s in args.seeds]
                 spread = f"({min(gaps):+.3f}..{max(gaps):+.3f})"
                 gap = "" if name == "uniform" else f"   gap {statistics.mean(gaps):+.3f} {spread}"
-                print(f"  {name:<40} {statistics.mean(values):.4f} ({min(values):.4f}..{max(values):.4f}){gap}")
+                print(f"  {name:<44} {statistics.mean(values):.4f} ({min(values):.4f}..{max(values):.4f}){gap}")
     (out / "results.json").write_text(json.dumps(results, indent=2))
     return 0
 

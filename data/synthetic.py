@@ -7,8 +7,11 @@ Everything follows from the seed and the case's index. The phantom is then acqui
 
 - `uniform`: every case at 1 x 1 x 1.5 mm in RAS order, like many clinical scans (the default);
 - `mixed`: each case by one of three protocols, as clinical data comes: isotropic 1 mm in RAS order; axial
-  0.8 x 0.8 x 3 mm slices in LPS; sagittal 3.3 mm slices with the thick axis first (RIP order). The same
-  index gives the same anatomy in world coordinates in both, so the two datasets can be compared.
+  0.8 x 0.8 x 3 mm slices in LPS; sagittal 3.3 mm slices with the thick axis first (RIP order);
+- `isotropic`, `axial`, `sagittal`: every case by that one protocol of `mixed`, which tells what each
+  acquisition costs on the same anatomy.
+
+The same index gives the same anatomy in world coordinates in every geometry, so the datasets can be compared.
 
 Every voxel averages the phantom over its own box (partial volume), as a scanner's voxel integrates the
 signal across its extent, finely enough that the image shows where inside the voxel a boundary lies (a thick
@@ -30,11 +33,13 @@ import numpy as np
 
 from unet3d.files import temp_path
 
-GEOMETRIES = ("uniform", "mixed")
+SINGLE_PROTOCOLS = ("isotropic", "axial", "sagittal")  # the geometries of one protocol each, PROTOCOLS' order
+GEOMETRIES = ("uniform", "mixed", *SINGLE_PROTOCOLS)
 # the generator's version per geometry, in the folder name: a change that alters the files gets a new folder
 # (mixed 2: thick slices integrated every 0.25 mm instead of every 1 mm; uniform 2 and mixed 3: every voxel
-# integrated over its box, where before axes of 1.5 mm or less took the value at the centre)
-VERSIONS = {"uniform": 2, "mixed": 3}
+# integrated over its box, where before axes of 1.5 mm or less took the value at the centre); the single
+# protocols share mixed's
+VERSIONS = {"uniform": 2, "mixed": 3, **{name: 3 for name in SINGLE_PROTOCOLS}}
 SPACING = (1.0, 1.0, 1.5)  # the uniform acquisition
 LABELS = {"0": "background", "1": "organ", "2": "lesion"}
 SUBSAMPLE_MM = 0.25  # at most this far apart along each axis: the sub-samples that integrate a voxel
@@ -263,7 +268,12 @@ def class_fractions(phantom: Phantom, acquisition: Acquisition, fov: np.ndarray)
 
 
 def case_acquisition(geometry: str, index: int) -> Acquisition:
-    return UNIFORM if geometry == "uniform" else PROTOCOLS[index % len(PROTOCOLS)]
+    """The acquisition of case `index` in a dataset of this geometry."""
+    if geometry == "uniform":
+        return UNIFORM
+    if geometry in SINGLE_PROTOCOLS:
+        return PROTOCOLS[SINGLE_PROTOCOLS.index(geometry)]
+    return PROTOCOLS[index % len(PROTOCOLS)]
 
 
 def generate_case(

@@ -295,3 +295,28 @@ def test_a_resumed_run_keeps_its_plan_and_says_where_the_data_no_longer_fits(tin
     with caplog.at_level(logging.WARNING, logger="unet3d"):
         old = choose_plan(run, request, {"config": {"patch_size": (16, 16, 16), "features": (4, 8)}})
     assert old.orientation == "none" and old.spacing is None and "from before plans" in caplog.text
+
+
+def test_a_single_protocol_dataset_is_planned_for_its_thick_slices(tmp_path, capsys):
+    """`--synthetic-geometry axial` (one of mixed's protocols for every case): the pre-flight launch.sh runs
+    writes every case as LPS 0.8 x 0.8 x 3 mm and plans for it: the thick axis at its own spacing and pooled
+    later than the others, with 3x3x1 kernels on the first level."""
+    import nibabel as nib
+
+    from data.synthetic import folder_name
+    from unet3d.training.config import parse_args
+    from unet3d.training.preflight import preflight
+
+    args = ["--synthetic-geometry", "axial", "--synthetic-cases", "6", "--synthetic-size", "32"]
+    args += ["--synthetic-dir", str(tmp_path / "syn"), "--cache-dir", str(tmp_path / "cache"), "--val-fraction", "0.34"]
+    assert preflight(parse_args([*args, "--out-dir", str(tmp_path / "run"), "--prepare-only"])) == 0
+    out = capsys.readouterr().out
+    data = tmp_path / "syn" / folder_name(6, 32, 0, "axial")
+    images = sorted(data.glob("images*/*.nii.gz"))
+    assert len(images) == 10
+    for path in images:
+        nii = nib.load(path)
+        assert nib.aff2axcodes(nii.affine) == ("L", "P", "S"), path
+        np.testing.assert_allclose(nii.header.get_zooms()[:3], (0.8, 0.8, 3.0), rtol=1e-6)
+    assert "spacing 0.8 x 0.8 x 3 mm (median, axis 2 at its 10th percentile" in out, out
+    assert "kernels 3x3x1 " in out and "strides 2x2x1 " in out, out

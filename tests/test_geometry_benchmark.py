@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from benchmarks import geometry as bench
-from data.synthetic import case_acquisition
+from data.synthetic import PROTOCOLS, SINGLE_PROTOCOLS, case_acquisition
 
 
 def write_metrics(path, dice: dict[tuple[int, str], float]) -> None:
@@ -71,3 +71,26 @@ def test_noise_free_reader_scores_every_protocol(monkeypatch):
     counts = {name: sum(case_acquisition("mixed", i).name == name for i in range(2, 6)) for name in names}
     weighted = sum(counts[n] * scores["mixed"][f"protocol {n}"] for n in names) / 4
     assert scores["mixed"]["mean_dice"] == pytest.approx(weighted)
+
+
+def test_single_protocol_datasets_hold_the_same_anatomy(tmp_path, monkeypatch):
+    """--every-protocol's scans: every case of `axial` (say) is the mixed dataset's case of the same index when
+    mixed acquires it axially, bit for bit, and every case of a single-protocol dataset has that protocol's grid."""
+    monkeypatch.setattr(bench, "DEFAULT_DATASET", (2, 16))
+    folders = bench.write_datasets(tmp_path, seed=3, test_cases=4, geometries=("mixed", *SINGLE_PROTOCOLS))
+
+    def read(geometry: str, index: int) -> tuple[np.ndarray, np.ndarray]:
+        sub = "imagesTr" if index < 2 else "imagesTs"
+        image = nib.load(folders[geometry] / sub / f"synth_{index:03d}.nii.gz")
+        return np.asarray(image.dataobj), image.affine
+
+    matched = set()
+    for protocol, acquisition in zip(SINGLE_PROTOCOLS, PROTOCOLS):
+        for index in range(6):
+            image, affine = read(protocol, index)
+            assert np.allclose(np.linalg.norm(affine[:3, :3], axis=0), acquisition.spacing), (protocol, index)
+            if case_acquisition("mixed", index) == acquisition:
+                mixed_image, mixed_affine = read("mixed", index)
+                assert np.array_equal(image, mixed_image) and np.allclose(affine, mixed_affine)
+                matched.add(protocol)
+    assert matched == set(SINGLE_PROTOCOLS)

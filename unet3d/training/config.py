@@ -90,8 +90,9 @@ class TrainConfig:
     synthetic_size: int = _f(64, "in-plane size of the synthetic volumes, in mm (1 mm voxels in-plane by default)")
     synthetic_geometry: str = _f(
         "uniform",
-        "synthetic acquisitions: uniform (1 x 1 x 1.5 mm, RAS) or mixed (isotropic RAS, thick-slice LPS, sagittal "
-        "thick-axis-first), the same anatomy in world coordinates",
+        "synthetic acquisitions: uniform (1 x 1 x 1.5 mm, RAS), mixed (isotropic RAS, thick-slice LPS, sagittal "
+        "thick-axis-first), or one of mixed's protocols for every case (isotropic, axial, sagittal); the same anatomy "
+        "in world coordinates",
     )
     cache_dir: str | None = _f(None, "preprocessing cache (default: runs/cache/<dataset>-<hash>), reused across runs")
     val_fraction: float = _f(0.2, "share of the training list held out for validation (unless --fold is given)")
