@@ -177,7 +177,9 @@ def _argmax_resampled(channel, num_classes: int, shape: Sequence[int], axis: int
     for k in range(num_classes):
         p = _resize(channel(k)[None].float(), shape, axis)[0]
         if best is None:
-            best, labels = p.contiguous(), torch.zeros(p.shape, dtype=torch.uint8, device=p.device)
+            # a copy: without resampling `p` is a view of the caller's volume, which `out=best` would overwrite
+            best = p.clone(memory_format=torch.contiguous_format)
+            labels = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)
         else:
             better = p > best
             labels[better] = k

@@ -164,7 +164,8 @@ else
   rm -rf "$out"
   bash launch.sh "$ids" --out-dir "$out" "${common[@]}" --epochs 1 --amp bf16 >"$out.log" 2>&1
   rc=$?
-  ((rc == 2)) && grep -q "has no bf16 tensor cores" "$out.log" &&
+  # the refusal comes from the ranks (the pre-flight never asks the GPU), and torchrun exits 1, not 2, when they fail
+  ((rc != 0)) && grep -q "has no bf16 tensor cores" "$out.log" &&
     pass "--amp bf16 refused on a GPU without bf16 tensor cores" || fail "--amp bf16 not refused (exit $rc): $out.log"
   out=$work/fp16
   rm -rf "$out"

@@ -154,6 +154,18 @@ def test_probabilities_go_back_to_the_files_own_grid(acquisition):
         assert dice(back == k, label == k) > 0.9, f"class {k} after going to 1 mm and back"
 
 
+def test_going_back_leaves_the_callers_probabilities_alone():
+    """Without resampling (data already at the planned spacing) the first class's volume is the caller's own:
+    the argmax must not write into it (the saved probabilities and the pictures use it afterwards)."""
+    rng = np.random.default_rng(0)
+    probs = torch.softmax(torch.from_numpy(rng.normal(size=(3, 6, 5, 4)).astype(np.float32)), dim=0)
+    kept = probs.clone()
+    geometry = preprocess(rng.normal(size=(1, 6, 5, 4)).astype(np.float32) + 5, np.eye(4), plan()).geometry
+    assert geometry.planned_shape == geometry.cropped_shape == (6, 5, 4), "nothing to resample"
+    assert np.array_equal(to_native(probs, geometry), kept.argmax(0).numpy())
+    assert torch.equal(probs, kept)
+
+
 # --- a prediction agrees with itself in world coordinates, however the scan is stored -------------------
 
 

@@ -168,3 +168,32 @@ def test_stitched_logits_that_would_not_fit_on_the_gpu_go_to_the_host(monkeypatc
     assert accumulator_device(GPU, ct) == CPU
     assert accumulator_device(GPU, 2**30) == GPU
     assert accumulator_device(CPU, ct) == CPU, "on the CPU there is nowhere else"
+
+
+def test_cuda_step_times_are_read_only_once_the_gpu_has_reached_them(monkeypatch):
+    """CUDA's elapsed time raises while an event is pending: at the epoch's end the last step's kernels may still
+    run, so the clock waits for the later event before reading (stub events that keep CUDA's rule)."""
+    from unet3d.training.timing import _Clock
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.done, self.at = False, None
+
+        def record(self) -> None:
+            self.at = len(recorded)
+            recorded.append(self)
+
+        def synchronize(self) -> None:  # waits for this event and for everything recorded before it
+            for event in recorded[: self.at + 1]:
+                event.done = True
+
+        def elapsed_time(self, end: Event) -> float:
+            if not (self.done and end.done):
+                raise RuntimeError("Both events must be completed before calculating elapsed time.")
+            return 1000.0 * (end.at - self.at)
+
+    recorded: list[Event] = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = _Clock(GPU)
+    start, end = clock.mark(), clock.mark()
+    assert clock.seconds(start, end) == 1.0

@@ -98,6 +98,8 @@ class Predictor:
         for member in members:
             settings = self.settings(member, planned.image.shape[1:])
             probs = predict_probabilities(member.model, planned.image, settings, self.device)
+            if total is not None and total.device != probs.device:  # one member's stitched on the host: sum there
+                total, probs = total.cpu(), probs.cpu()
             total = probs if total is None else total.add_(probs)
         return total.div_(len(members))
 

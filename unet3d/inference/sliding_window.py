@@ -153,6 +153,8 @@ def predict_probabilities(
             flipped = x.flip(axes) if axes else x
             logits = sliding_window_inference(model, flipped, settings)
             p = torch.softmax(logits.flip(axes) if axes else logits, dim=0)
+            if probs is not None and probs.device != p.device:  # this pass was stitched on the host: sum there
+                probs, p = probs.cpu(), p.cpu()
             probs = p if probs is None else probs.add_(p)
         return probs.div_(len(mirrorings))
     finally:

@@ -45,7 +45,13 @@ class _Clock:
         return event
 
     def seconds(self, start, end) -> float:
-        return start.elapsed_time(end) / 1000 if self.cuda else end - start
+        if not self.cuda:
+            return end - start
+        # elapsed_time() raises while either event is still pending on the GPU, as the last step's end is when
+        # the epoch's summary reads it (nothing has waited for that step's optimizer kernels); `start` was
+        # recorded before `end` on the same stream, so it has completed once `end` has
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
 
 
 @dataclass
