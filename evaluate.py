@@ -26,6 +26,7 @@ import nibabel as nib
 import numpy as np
 from tqdm import tqdm
 
+from data.check import label_problems
 from data.msd import load_dataset_json, run_split
 from data.nifti import load_label, spacing
 from unet3d.inference import postprocess
@@ -115,7 +116,7 @@ def output_dir(args: argparse.Namespace) -> Path:
 def select(args: argparse.Namespace, members) -> tuple[list[InputCase], dict[str, Any], Any]:
     """(the cases, the member(s) for each case by name, the dataset spec or None)."""
     if args.images:
-        return folder_cases(args.images), {}, None
+        return folder_cases(args.images, members[0].model.in_channels), {}, None
     cfg = members[0].config
     data_dir = args.data_dir or (cfg or {}).get("data_dir")
     if data_dir is None:
@@ -221,9 +222,13 @@ def predict_cases(args, predictor: Predictor, cases, owner, out: Path, first: bo
         began = time.perf_counter()
         try:
             image, nii = load_case_image(case, predictor.in_channels)
-            ref = load_label(case.label)[0] if case.label is not None else None
-            if ref is not None and ref.shape != image.shape[1:]:  # reported with the other failed cases
-                raise ValueError(f"{case.label}: shape {ref.shape} differs from its image's {image.shape[1:]}")
+            ref = None
+            if case.label is not None:  # scored only on the image's grid, as training checks it
+                ref, ref_nii = load_label(case.label)
+                classes = len(predictor.class_names)
+                problems = label_problems(case.images[0], image.shape[1:], nii, case.label, ref, ref_nii, classes)
+                if problems:  # reported with the other failed cases
+                    raise ValueError("; ".join(problems))
             members = [owner[case.name]] if owner else None
             pred, planned, probs, native = predictor.predict(image, nii.affine, ref, members, args.save_probabilities)
         except (ValueError, FileNotFoundError, OSError) as e:

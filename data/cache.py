@@ -59,13 +59,18 @@ def fingerprint_cases(
     for case in list(cases)[shard::num_shards]:
         path = _fingerprint_file(root, case, request)
         try:
-            stamp = {"version": CACHE_VERSION, "modalities": spec.modalities, "sources": _sources(case)}
+            stamp = {  # everything the checks depend on: a fingerprint that passed them once may not pass now
+                "version": CACHE_VERSION,
+                "modalities": spec.modalities,
+                "num_classes": spec.num_classes,
+                "sources": _sources(case),
+            }
             saved = _read_json(path)
             if saved is not None and saved.get("stamp") == stamp:
                 continue
             image, image_nii = load_image(case.image)
             label, label_nii = load_label(case.label)
-            problems = case_problems(case, image, image_nii, label, label_nii, spec.num_classes)
+            problems = case_problems(case, image, image_nii, label, label_nii, spec.num_classes, spec.modalities)
             if problems:
                 errors += [f"{case.name}: {p}" for p in problems]
                 continue

@@ -18,31 +18,53 @@ def case_problems(
     label: np.ndarray,
     label_nii: nib.Nifti1Image,
     num_classes: int,
+    modalities: Sequence[str],
 ) -> list[str]:
     """Everything wrong with one case: its geometry (a 2D image, zero or non-finite voxel sizes, a singular or
-    sheared affine), image and label on different grids (shape, or positions in world space), non-finite
-    intensities, undeclared label values.
+    sheared affine), a channel count other than dataset.json's modalities, image and label on different grids
+    (shape, or positions in world space), non-finite intensities, undeclared label values.
 
     Args:
         image: (C, X, Y, Z) intensities as read; label: (X, Y, Z) values as read.
+        modalities: dataset.json's modality per input channel.
     """
     problems = affine_problems(image_nii.affine, image.shape[1:], case.image)
-    if image.shape[1:] != label.shape:
-        problems.append(f"{case.image} has spatial shape {image.shape[1:]} but {case.label} has {label.shape}")
-    elif not same_grid(image_nii.affine, label_nii.affine):
-        gap = float(np.abs(image_nii.affine - label_nii.affine).max())
+    if image.shape[0] != len(modalities):
         problems.append(
-            f"{case.label}: its voxels are not where those of {case.image} are in world space (the affines differ "
-            f"by up to {gap:.4g})"
+            f"{case.image} has {image.shape[0]} channel(s) but dataset.json 'modality' declares {len(modalities)} "
+            f"({', '.join(modalities)})"
         )
     non_finite = int(np.count_nonzero(~np.isfinite(image)))
     if non_finite:
         problems.append(f"{case.image}: {non_finite} NaN or infinite value(s)")
+    return problems + label_problems(case.image, image.shape[1:], image_nii, case.label, label, label_nii, num_classes)
+
+
+def label_problems(
+    image_path: object,
+    image_shape: Sequence[int],
+    image_nii: nib.Nifti1Image,
+    label_path: object,
+    label: np.ndarray,
+    label_nii: nib.Nifti1Image,
+    num_classes: int,
+) -> list[str]:
+    """A label map that is not on its image's grid (shape, or positions in world space) or holds values that
+    dataset.json does not declare: training refuses the case, evaluation does not score it."""
+    problems = []
+    if tuple(image_shape) != label.shape:
+        problems.append(f"{image_path} has spatial shape {tuple(image_shape)} but {label_path} has {label.shape}")
+    elif not same_grid(image_nii.affine, label_nii.affine):
+        gap = float(np.abs(image_nii.affine - label_nii.affine).max())
+        problems.append(
+            f"{label_path}: its voxels are not where those of {image_path} are in world space (the affines differ "
+            f"by up to {gap:.4g})"
+        )
     values = np.unique(label)
     undeclared = values[values >= num_classes]
     if len(undeclared):
         problems.append(
-            f"{case.label}: label value(s) {undeclared.tolist()} not declared in dataset.json "
+            f"{label_path}: label value(s) {undeclared.tolist()} not declared in dataset.json "
             f"'labels' (0..{num_classes - 1})"
         )
     return problems

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,9 @@ def _index_map(raw: object, what: str, source: Path) -> dict[int, str]:
 
 
 def _resolve(root: Path, rel: str) -> Path:
-    return (root / rel).resolve() if not Path(rel).is_absolute() else Path(rel)
+    """`rel` against the dataset folder, absolute, without following symbolic links: a case is named by the file
+    dataset.json lists, not by the one a link points to (git-annex, DataLad and DVC keep files under hashes)."""
+    return Path(os.path.abspath(root / rel))
 
 
 def load_dataset_json(data_dir: str | Path, require_files: bool = True) -> DatasetSpec:

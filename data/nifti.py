@@ -7,6 +7,10 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
+from data.geometry import spacing_of
+
+LABEL_ROUNDING = 1e-3  # a float label may miss its integer by rounding (a scaled header), not by more
+
 
 def load_image(path: str | Path) -> tuple[np.ndarray, nib.Nifti1Image]:
     """A 3D or 4D NIfTI image -> (float32 array (C, X, Y, Z), the nibabel image for affine and header).
@@ -25,7 +29,7 @@ def load_image(path: str | Path) -> tuple[np.ndarray, nib.Nifti1Image]:
 
 
 def load_label(path: str | Path) -> tuple[np.ndarray, nib.Nifti1Image]:
-    """A 3D NIfTI label map -> (uint8 array (X, Y, Z), the nibabel image)."""
+    """A 3D NIfTI label map of integers (stored as integers or floats) -> (uint8 array (X, Y, Z), the nibabel image)."""
     img = _load(path)
     data = np.asarray(img.dataobj)
     if data.ndim == 4 and data.shape[-1] == 1:
@@ -35,6 +39,13 @@ def load_label(path: str | Path) -> tuple[np.ndarray, nib.Nifti1Image]:
     if not np.isfinite(data).all():
         raise ValueError(f"{path}: label map holds NaN or infinite values")
     rounded = np.rint(data)
+    if data.dtype.kind == "f":
+        off = np.abs(data - rounded) > LABEL_ROUNDING
+        if off.any():
+            raise ValueError(
+                f"{path}: label map holds {int(off.sum())} non-integer value(s), e.g. {float(data[off][0]):g} (was it "
+                "resampled with interpolation? labels need nearest neighbour)"
+            )
     if rounded.min() < 0 or rounded.max() > 255:
         raise ValueError(f"{path}: label values must lie in 0..255, got {rounded.min()}..{rounded.max()}")
     return rounded.astype(np.uint8), img
@@ -50,5 +61,7 @@ def _load(path: str | Path) -> nib.Nifti1Image:
 
 
 def spacing(img: nib.Nifti1Image) -> tuple[float, float, float]:
-    """Voxel size in millimetres along the three spatial axes, from the header."""
-    return tuple(float(z) for z in img.header.get_zooms()[:3])
+    """Voxel size in millimetres along the three spatial axes, from the affine that places the voxels (the
+    sform, else the qform, as nibabel chooses): the one preprocessing resamples by, which the header's pixdim
+    can contradict when a tool rewrote only the sform."""
+    return spacing_of(img.affine)

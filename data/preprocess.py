@@ -54,7 +54,7 @@ def normalize(image: np.ndarray, normalization: Sequence[dict[str, Any]]) -> np.
             channel = np.clip(channel, lo, hi)
         elif rule["scheme"] != "zscore":
             raise ValueError(f"unknown normalisation scheme {rule['scheme']!r}")
-        mean, std = float(channel.mean()), float(channel.std())
+        mean, std = float(channel.mean(dtype=np.float64)), float(channel.std(dtype=np.float64))  # a constant: 0
         out[c] = (channel - mean) / max(std, 1e-8)
     return out
 

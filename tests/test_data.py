@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -103,6 +104,22 @@ def test_dataset_json_errors(tmp_path, tiny_dataset):
         load_dataset_json(copy)
 
 
+def test_cases_are_named_by_the_listed_files_not_by_their_link_targets(tiny_dataset, tmp_path):
+    store, root = tmp_path / "annex", tmp_path / "linked"
+    store.mkdir()
+    for folder in ("imagesTr", "labelsTr", "imagesTs", "labelsTs"):
+        (root / folder).mkdir(parents=True)
+        for i, source in enumerate(sorted((tiny_dataset / folder).iterdir())):
+            target = store / f"MD5E-s{i}--{folder}{i}.nii.gz"  # as git-annex and DataLad store content
+            shutil.copy(source, target)
+            (root / folder / source.name).symlink_to(target)
+    shutil.copy(tiny_dataset / "dataset.json", root)
+    spec, plain = load_dataset_json(root), load_dataset_json(tiny_dataset)
+    assert [c.name for c in spec.training] == [c.name for c in plain.training]
+    assert [(c.name, c.label is not None) for c in spec.test] == [(c.name, True) for c in plain.test]
+    assert spec.training[0].image == root / "imagesTr" / f"{spec.training[0].name}.nii.gz"
+
+
 def test_split_is_deterministic_and_disjoint(tiny_dataset):
     cases = load_dataset_json(tiny_dataset).training
     train, val = split_cases(cases, 0.34, seed=3)
@@ -127,9 +144,32 @@ def test_multichannel_image_is_channel_first(tmp_path):
     assert spacing(img) == pytest.approx((0.5, 0.7, 2.0))
 
 
+def test_metrics_spacing_is_the_affines_where_sform_and_qform_disagree(tmp_path):
+    """A tool that rewrote only the sform leaves pixdim (the qform's zooms) behind: voxel sizes come from the
+    affine nibabel places the voxels by, the one preprocessing resamples by."""
+    img = nib.Nifti1Image(np.zeros((4, 5, 6), np.float32), np.diag([0.8, 0.8, 3.0, 1]))
+    img.set_qform(np.diag([1.0, 1.0, 1.5, 1]), code=1)
+    nib.save(img, tmp_path / "img.nii.gz")
+    loaded = nib.load(tmp_path / "img.nii.gz")
+    assert loaded.header.get_zooms()[:3] == pytest.approx((1.0, 1.0, 1.5)), "the stand-in disagrees as meant"
+    assert spacing(loaded) == pytest.approx((0.8, 0.8, 3.0))
+
+
 def test_label_out_of_range_is_refused(tmp_path):
     nib.save(nib.Nifti1Image(np.full((2, 2, 2), 300, np.int16), np.eye(4)), tmp_path / "l.nii.gz")
     with pytest.raises(ValueError, match=r"l.nii.gz: label values must lie in 0..255"):
+        load_label(tmp_path / "l.nii.gz")
+
+
+def test_a_float_label_must_hold_integers(tmp_path):
+    whole = np.zeros((2, 2, 2), np.float32)
+    whole[0, 0, 0], whole[1, 1, 1] = 2.0, 1.0000001  # integers, up to rounding
+    nib.save(nib.Nifti1Image(whole, np.eye(4)), tmp_path / "whole.nii.gz")
+    assert load_label(tmp_path / "whole.nii.gz")[0].tolist() == [[[2, 0], [0, 0]], [[0, 0], [0, 1]]]
+    interpolated = whole.copy()
+    interpolated[0, 1, 0] = 0.5  # between background and class 1: rounding would pick one silently
+    nib.save(nib.Nifti1Image(interpolated, np.eye(4)), tmp_path / "l.nii.gz")
+    with pytest.raises(ValueError, match=r"l.nii.gz: label map holds 1 non-integer value\(s\), e.g. 0.5"):
         load_label(tmp_path / "l.nii.gz")
 
 
@@ -148,6 +188,8 @@ def test_normalize_zscore_and_ct_clipping():
     dataset = {"modality": "CT", "scheme": "ct", "clip": [0.0, 80.0], "mean": 40.0, "std": 10.0}
     out = normalize(ct, [dataset])
     np.testing.assert_allclose(out, (np.clip(ct, 0, 80) - 40) / 10, rtol=1e-6, atol=1e-6)
+    for value in (0.1, 3.3, -1024.3):  # a channel that carries nothing normalises to 0, whatever its value
+        assert not normalize(np.full((1, 7, 9, 11), value, np.float32), [zscore]).any()
     assert out.max() == 4.0, "the dataset's statistics, not the case's"
     with pytest.raises(ValueError, match="1 channel"):
         normalize(ct, [per_case, zscore])
@@ -364,6 +406,31 @@ def test_checks_report_every_broken_case(tmp_path):
     )
     assert len(errors) == 2 and all("spatial shape (4, 4, 4)" in e and "(4, 4, 5)" in e for e in errors)
     assert {e.split(":")[0] for e in errors} == {"bad1", "bad2"}
+
+
+def test_a_channel_count_other_than_the_modalities_is_named_before_planning(tmp_path):
+    label = np.zeros((4, 4, 4), np.uint8)
+    label[1:3, 1:3, 1:3] = 1  # CT foreground to sample intensities from
+    three_d = (np.full((4, 4, 4), -500, np.float32), label)
+    three_channels = (np.full((4, 4, 4, 3), -500, np.float32), label)
+    root = write_msd(tmp_path / "d", {"a": three_d, "b": three_channels}, modality={"0": "CT", "1": "CT"})
+    spec = load_dataset_json(root)
+    request = PlanRequest(patch_voxels=64, widths=(4, 8), max_levels=2)
+    errors = fingerprint_cases(spec.training, spec, request, tmp_path / "cache", 0, 1)  # no IndexError
+    assert sorted(errors) == [
+        f"a: {root / 'imagesTr' / 'a.nii.gz'} has 1 channel(s) but dataset.json 'modality' declares 2 (CT, CT)",
+        f"b: {root / 'imagesTr' / 'b.nii.gz'} has 3 channel(s) but dataset.json 'modality' declares 2 (CT, CT)",
+    ]
+    assert not (tmp_path / "cache" / "fingerprints").exists(), "no fingerprint of a refused case"
+
+
+def test_a_class_dropped_from_dataset_json_is_checked_again(tiny_dataset, tmp_path):
+    spec = load_dataset_json(tiny_dataset)
+    request = PlanRequest(patch_voxels=64, widths=(4, 8), max_levels=2)
+    assert fingerprint_cases(spec.training, spec, request, tmp_path / "cache", 0, 1) == []
+    fewer = dataclasses.replace(spec, labels={0: "background", 1: "organ"})  # "lesion" taken out of 'labels'
+    errors = fingerprint_cases(fewer.training, fewer, request, tmp_path / "cache", 0, 1)
+    assert len(errors) == len(spec.training) and all("label value(s) [2] not declared" in e for e in errors)
 
 
 def test_spatial_augmentation_keeps_the_label_on_the_transformed_sphere():

@@ -127,17 +127,38 @@ def test_outputs_for_a_bare_state_dict_on_the_test_split(weights, tiny_dataset, 
     assert picture.mode == "RGB" and picture.width > 3 * 16
 
 
-def test_a_label_on_another_grid_is_one_failed_case_and_the_rest_is_scored(weights, tiny_dataset, tmp_path, capsys):
+def broken_label(array: np.ndarray, affine: np.ndarray, how: str) -> nib.Nifti1Image:
+    """A test label that training would refuse: another shape, shifted 5 mm in world space, or an undeclared value."""
+    if how == "shape":
+        return nib.Nifti1Image(array[:-2], affine)
+    if how == "shifted":
+        return nib.Nifti1Image(array, affine + np.array([[0, 0, 0, 5.0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]))
+    return nib.Nifti1Image(np.where(array == 2, 7, array).astype(np.uint8), affine)
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("shape", "{image} has spatial shape (24, 24, 16) but {label} has (22, 24, 16)"),
+        ("shifted", "{label}: its voxels are not where those of {image} are in world space"),
+        ("undeclared", "{label}: label value(s) [7] not declared in dataset.json 'labels' (0..2)"),
+    ],
+)
+def test_a_label_training_would_refuse_is_one_failed_case_and_the_rest_is_scored(
+    weights, tiny_dataset, tmp_path, capsys, how, message
+):
     data = tmp_path / "data"
     shutil.copytree(tiny_dataset, data)
-    bad = nib.load(data / "labelsTs" / "synth_007.nii.gz")
-    nib.save(nib.Nifti1Image(np.asarray(bad.dataobj)[:-2], bad.affine), data / "labelsTs" / "synth_007.nii.gz")
+    label = data / "labelsTs" / "synth_007.nii.gz"
+    bad = nib.load(label)
+    nib.save(broken_label(np.asarray(bad.dataobj), bad.affine, how), label)
     torch.save(weights, tmp_path / "w.pt")
     out = tmp_path / "eval"
     argv = ["--checkpoint", str(tmp_path / "w.pt"), "--data-dir", str(data), "--split", "test", "--out-dir", str(out)]
     assert evaluate.main([*argv, "--device", "cpu", "--window", "16"]) == 1, "the failure shows in the exit code"
     err = capsys.readouterr().err
-    assert "synth_007.nii.gz: shape (22, 24, 16) differs from its image's (24, 24, 16)" in err
+    image = (data / "imagesTs" / "synth_007.nii.gz").resolve()
+    assert "error: synth_007: " + message.format(image=image, label=label) in err, err
     rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
     assert {r["case"] for r in rows} == {"synth_006"}, "the other case is still predicted and scored"
     assert not (out / "predictions" / "synth_007.nii.gz").exists()

@@ -16,6 +16,7 @@ from data.plan import Plan
 from tests.helpers import run
 from unet3d import UNet3D
 from unet3d.inference import postprocess
+from unet3d.inference.cases import folder_cases
 
 CLASSES = ["background", "organ", "lesion"]
 
@@ -81,6 +82,52 @@ def test_a_folder_of_new_scans(folder, tmp_path, capsys):
     assert evaluate.main(argv) == 1
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.nii.gz")} == stamps, "a second run writes nothing"
     assert "0 case(s) written, 3 already there, 1 failed" in capsys.readouterr().out
+
+
+def test_scans_training_would_refuse_are_named_and_skipped(tmp_path, capsys):
+    """A NaN voxel (SPM and some registration tools write them outside the field of view) would make the whole
+    normalised volume NaN and the prediction background everywhere; a zero voxel size or a sheared affine has no
+    world grid to resample. Each is one failed case, named with its file; the rest is segmented."""
+    scans = tmp_path / "scans"
+    scans.mkdir()
+    rng = np.random.default_rng(0)
+    nib.save(nib.Nifti1Image(scan(rng), np.eye(4)), scans / "good.nii.gz")
+    holey = scan(rng)
+    holey[0, 0, 0, 1] = np.nan
+    nib.save(nib.Nifti1Image(holey, np.eye(4)), scans / "holey.nii.gz")
+    flat = nib.Nifti1Image(scan(rng), None)
+    flat.set_sform(np.diag([1.0, 1.0, 0.0, 1.0]), code=1)  # a zero voxel size: only an sform can hold one
+    flat.set_qform(None, code=0)
+    nib.save(flat, scans / "flat.nii.gz")
+    sheared = np.eye(4)
+    sheared[0, 1] = 0.5
+    nib.save(nib.Nifti1Image(scan(rng), sheared), scans / "sheared.nii.gz")
+    checkpoint = two_channel_checkpoint(tmp_path / "model.pt")
+    out = tmp_path / "seg"
+    argv = ["--checkpoint", str(checkpoint), "--images", str(scans), "--out-dir", str(out), "--device", "cpu"]
+    assert evaluate.main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"error: holey: {scans / 'holey.nii.gz'}: 1 NaN or infinite value(s)" in err, err
+    assert f"error: flat: {scans / 'flat.nii.gz'}: voxel size" in err and "has a zero axis" in err, err
+    assert f"error: sheared: {scans / 'sheared.nii.gz'}: the affine is sheared" in err, err
+    assert sorted(p.name for p in out.glob("*.nii.gz")) == ["good.nii.gz"]
+
+
+def test_channel_files_four_digit_names_and_hidden_files(tmp_path):
+    for name in ("amos_0001", "amos_0004", "single_0000", "pair_0000", "pair_0001", "plain"):
+        nib.save(nib.Nifti1Image(np.zeros((2, 2, 2), np.float32), np.eye(4)), tmp_path / f"{name}.nii.gz")
+    (tmp_path / "._amos_0001.nii.gz").write_bytes(b"\x00\x05\x16\x07Mac OS X")  # AppleDouble, as in MSD's archives
+    cases = {c.name: [p.name for p in c.images] for c in folder_cases(tmp_path, in_channels=1)}
+    assert cases == {
+        "amos_0001": ["amos_0001.nii.gz"],  # names ending in four digits, not channel 1 and 4 of "amos"
+        "amos_0004": ["amos_0004.nii.gz"],
+        "pair_0000": ["pair_0000.nii.gz"],
+        "pair_0001": ["pair_0001.nii.gz"],
+        "plain": ["plain.nii.gz"],
+        "single": ["single_0000.nii.gz"],  # nnU-Net's one-channel case
+    }
+    two = {c.name: [p.name for p in c.images] for c in folder_cases(tmp_path, in_channels=2)}
+    assert two["pair"] == ["pair_0000.nii.gz", "pair_0001.nii.gz"] and "amos_0001" in two
 
 
 def test_probabilities_beside_the_labels(folder, tmp_path):

@@ -5,7 +5,7 @@ Conventions, for one class of one case:
 - exactly one of them empty: Dice 0, IoU 0, HD95 undefined (NaN). An undefined HD95 is left out of the
   class's mean and counted separately (`hd95_undefined` in evaluate.py's summary).
 HD95 is the larger of the two directed 95th-percentile surface distances, in millimetres, using the
-voxel spacing from the image header, so anisotropic voxels are measured correctly.
+voxel spacing of the image's affine, so anisotropic voxels are measured correctly.
 """
 
 from __future__ import annotations
