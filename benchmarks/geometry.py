@@ -27,6 +27,12 @@ are also written acquired by each protocol of the mixed data alone (`--synthetic
 `sagittal`), and the mixed-trained and uniform-trained models are scored on each. The mixed-trained model on
 the isotropic scans of every test anatomy against the uniform model on the uniform scans is the handling's
 part of the gap; its thick-slice scores against its isotropic one are what the thick slices cost that model.
+
+`--specialists` tells what the acquisitions allow at the budget: one model per protocol of the mixed data,
+trained (same command, same budget) on that protocol's acquisitions of the same training anatomies and planned
+for them by nnU-Net's rule, scores that protocol's test scans. Routing every mixed test scan to the specialist
+of its protocol gives the mixed test split's mean Dice when the handling has nothing to reconcile: the gap
+that is left is what the thick slices lose, not what mixing them costs.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import torch  # noqa: E402
 
 from data.synthetic import (  # noqa: E402
     LABELS,
+    PROTOCOLS,
     SINGLE_PROTOCOLS,
     case_acquisition,
     class_fractions,
@@ -89,24 +96,46 @@ def write_datasets(
     return folders
 
 
-def protocol_scores(metrics: Path, geometry: str) -> dict[str, float]:
-    """From evaluate.py's metrics.csv: the mean Dice (evaluate.py's definition: per class over cases, then over
-    classes) of the default split's first DEFAULT_TEST test cases, and of each acquisition protocol's cases."""
-    rows = list(csv.DictReader(metrics.read_text().splitlines()))
-    first = min(int(r["case"].split("_")[-1]) for r in rows)
+def read_rows(metrics: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader(metrics.read_text().splitlines()))
 
-    def mean_dice(keep) -> float | None:
-        by_class: dict[str, list[float]] = {}
-        for r in rows:
-            if keep(int(r["case"].split("_")[-1])):
-                by_class.setdefault(r["class_name"], []).append(float(r["dice"]))
-        return statistics.mean(statistics.mean(v) for v in by_class.values()) if by_class else None
 
-    scores = {"default_split_mean_dice": mean_dice(lambda i: i < first + DEFAULT_TEST)}
-    protocols = sorted({case_acquisition(geometry, int(r["case"].split("_")[-1])).name for r in rows})
+def case_index(row: dict[str, str]) -> int:
+    return int(row["case"].split("_")[-1])
+
+
+def mean_dice(rows: list[dict[str, str]], keep=lambda i: True) -> float | None:
+    """evaluate.py's mean Dice of the kept cases' rows: per class over cases, then over classes."""
+    by_class: dict[str, list[float]] = {}
+    for r in rows:
+        if keep(case_index(r)):
+            by_class.setdefault(r["class_name"], []).append(float(r["dice"]))
+    return statistics.mean(statistics.mean(v) for v in by_class.values()) if by_class else None
+
+
+def protocol_scores(metrics: Path | list[dict[str, str]], geometry: str) -> dict[str, float]:
+    """From evaluate.py's metrics.csv (or its rows): the mean Dice (evaluate.py's definition: per class over
+    cases, then over classes) of the default split's first DEFAULT_TEST test cases, and of each acquisition
+    protocol's cases."""
+    rows = read_rows(metrics) if isinstance(metrics, Path) else metrics
+    first = min(case_index(r) for r in rows)
+    scores = {"default_split_mean_dice": mean_dice(rows, lambda i: i < first + DEFAULT_TEST)}
+    protocols = sorted({case_acquisition(geometry, case_index(r)).name for r in rows})
     for name in protocols:
-        scores[f"protocol {name}"] = mean_dice(lambda i, n=name: case_acquisition(geometry, i).name == n)
+        scores[f"protocol {name}"] = mean_dice(rows, lambda i, n=name: case_acquisition(geometry, i).name == n)
     return scores
+
+
+def routed(metrics: dict[str, Path]) -> dict[str, float]:
+    """The mixed test split scored by routing each scan to the specialist of its protocol: from each specialist's
+    metrics.csv (protocol -> path, on its own protocol's test scans, which hold the mixed dataset's scans of that
+    protocol bit for bit), the rows of the cases the mixed data acquires with that protocol; their mean Dice
+    overall (evaluate.py's definition), over the default split and per protocol, as `protocol_scores` gives."""
+    rows = []
+    for protocol, path in metrics.items():
+        acquisition = PROTOCOLS[SINGLE_PROTOCOLS.index(protocol)]
+        rows += [r for r in read_rows(path) if case_acquisition("mixed", case_index(r)) == acquisition]
+    return {"mean_dice": mean_dice(rows), "num_cases": len({r["case"] for r in rows}), **protocol_scores(rows, "mixed")}
 
 
 def logged(command: list[str], log: Path) -> None:
@@ -177,7 +206,7 @@ def run(name: str, extra: list[str], seed: int, data: Path, args: argparse.Names
 
 def line(name: str, r: dict, base: dict | None) -> str:
     classes = ", ".join(f"{k} {r[k]:.3f}" for k in ("organ", "lesion") if k in r)
-    text = f"  {name:<44} {r['mean_dice']:.4f}  ({classes})"
+    text = f"  {name:<44} {r['mean_dice']:.4f}" + (f"  ({classes})" if classes else "")
     if base is not None:
         text += f"   gap to uniform {r['mean_dice'] - base['mean_dice']:+.3f}"
     if "tta_mean_dice" in r:
@@ -223,6 +252,12 @@ def main(argv=None) -> int:
         "protocol of the mixed data alone (needs the mixed runs)",
     )
     p.add_argument(
+        "--specialists",
+        action="store_true",
+        help="also train one model per protocol of the mixed data on that protocol's acquisitions alone, score each "
+        "on its own test scans, and the mixed test split with every scan routed to its protocol's model",
+    )
+    p.add_argument(
         "--noise-free-reader",
         action="store_true",
         help="train nothing: print what each acquisition can show at best (`noise_free_reader`) on the test cases",
@@ -263,6 +298,18 @@ def main(argv=None) -> int:
         for name, (checkpoint, geometry, scans, tag) in cross.items():
             folder = f"cross-{tag}-model-seed{seed}" if tag in ("mixed", "uniform") else f"cross-{tag}-seed{seed}"
             runs[name] = evaluate(checkpoint, scans, geometry, out / folder, out / f"{folder}.log", args.tta)
+        if args.specialists:
+            scans = write_datasets(out, seed, args.test_cases, SINGLE_PROTOCOLS)
+            evaluated = {}
+            for protocol in SINGLE_PROTOCOLS:
+                name = f"{protocol} only, its own test scans"
+                best, runs[name] = run(name, ["--synthetic-geometry", protocol], seed, scans[protocol], args)
+                evaluated[protocol] = best.parents[1]  # the run's folder, holding its evaluations
+            name = "specialists, each mixed scan to its protocol's"
+            runs[name] = routed({p: folder / "eval_test" / "metrics.csv" for p, folder in evaluated.items()})
+            if args.tta:
+                with_tta = routed({p: folder / "eval_test_tta" / "metrics.csv" for p, folder in evaluated.items()})
+                runs[name]["tta_mean_dice"], runs[name]["tta"] = with_tta.pop("mean_dice"), with_tta
         base = runs["uniform"]
         print(f"seed {seed}")
         for name, r in runs.items():

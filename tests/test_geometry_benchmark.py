@@ -94,3 +94,23 @@ def test_single_protocol_datasets_hold_the_same_anatomy(tmp_path, monkeypatch):
                 assert np.array_equal(image, mixed_image) and np.allclose(affine, mixed_affine)
                 matched.add(protocol)
     assert matched == set(SINGLE_PROTOCOLS)
+
+
+def test_routing_scores_each_mixed_scan_by_its_protocols_specialist(tmp_path):
+    """--specialists: the routed mixed split takes, for every test case, the row of the specialist whose protocol
+    the mixed data acquires it with, and averages as evaluate.py does (per class over cases, then over classes)."""
+    rng = np.random.default_rng(1)
+    cases = range(24, 33)  # three of each protocol in the mixed data
+    dice = {p: {(i, n): float(rng.uniform(0.5, 1.0)) for i in cases for n in ("organ", "lesion")} for p in PROTOCOLS}
+    paths = {}
+    for name, acquisition in zip(SINGLE_PROTOCOLS, PROTOCOLS):
+        paths[name] = tmp_path / f"{name}.csv"
+        write_metrics(paths[name], dice[acquisition])  # a specialist scores every test anatomy of its protocol
+    scores = bench.routed(paths)
+    own = {(i, n): dice[case_acquisition("mixed", i)][(i, n)] for i in cases for n in ("organ", "lesion")}
+    by_hand = np.mean([np.mean([own[(i, n)] for i in cases]) for n in ("organ", "lesion")])
+    assert scores["num_cases"] == 9 and scores["mean_dice"] == pytest.approx(by_hand)
+    for acquisition in PROTOCOLS:
+        mine = [i for i in cases if case_acquisition("mixed", i) == acquisition]
+        expected = np.mean([np.mean([dice[acquisition][(i, n)] for i in mine]) for n in ("organ", "lesion")])
+        assert scores[f"protocol {acquisition.name}"] == pytest.approx(expected)
