@@ -32,6 +32,25 @@ PALETTE = np.array(
     dtype=np.float32,
 )
 ALPHA = 0.45
+GOLDEN = 0.618033988749895  # hue step of the colours after the palette's: never two alike, however many classes
+
+
+def class_colours(num_classes: int) -> np.ndarray:
+    """(num_classes, 3) float32 RGB: the palette's first, then hues spread by the golden ratio (class 0 unused),
+    so a dataset of 15 or 100 organs gets as many distinct colours, none of them black."""
+    colours = [PALETTE[k] for k in range(min(num_classes, len(PALETTE)))]
+    for k in range(len(PALETTE), num_classes):
+        hue = (k * GOLDEN) % 1.0
+        colours.append(np.array(_hsv_to_rgb(hue, 0.75, 0.95), np.float32) * 255)
+    return np.round(np.stack(colours)).astype(np.float32)
+
+
+def _hsv_to_rgb(h: float, s: float, v: float) -> tuple[float, float, float]:
+    i, f = int(h * 6) % 6, h * 6 - int(h * 6)
+    p, q, t = v * (1 - s), v * (1 - s * f), v * (1 - s * (1 - f))
+    return [(v, t, p), (q, v, p), (p, v, t), (p, q, v), (t, p, v), (v, p, q)][i]
+
+
 MIN_SIDE = 192  # small slices are enlarged to at least this many pixels on their longer side
 TEXT = 14  # height of a line of text, in pixels
 COLUMNS = ("image", "reference", "prediction")
@@ -78,7 +97,7 @@ def _gray(plane: np.ndarray) -> np.ndarray:
 
 
 def _blend(gray: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    colours = PALETTE[labels % len(PALETTE)]
+    colours = class_colours(int(labels.max()) + 1)[labels]
     mask = (labels > 0)[..., None]
     return np.where(mask, (1 - ALPHA) * gray + ALPHA * colours, gray)
 
@@ -108,17 +127,25 @@ def overlay(preview: Preview) -> np.ndarray:
 
 
 def _header(width: int, panel_width: int, class_names: Sequence[str]) -> np.ndarray:
-    """The column titles over the panels and a legend of the class colours."""
-    canvas = Image.new("RGB", (width, 2 * (TEXT + 4)))
-    draw, font = ImageDraw.Draw(canvas), ImageFont.load_default()
+    """The column titles over the panels and a legend of the class colours, on as many lines as it needs."""
+    font = ImageFont.load_default()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    colours = class_colours(len(class_names))
+    entries, x, line = [], 4, 0
+    for k, name in enumerate(class_names[1:], start=1):
+        size = 24 + int(measure.textlength(name, font=font))
+        if x > 4 and x + size > width:  # the next line: a legend of many classes is never cut off
+            x, line = 4, line + 1
+        entries.append((x, line, tuple(int(c) for c in colours[k]), name))
+        x += size
+    canvas = Image.new("RGB", (width, (line + 2) * (TEXT + 4)))
+    draw = ImageDraw.Draw(canvas)
     for i, title in enumerate(COLUMNS):
         draw.text((i * panel_width + 4, 2), title, fill=(255, 255, 255), font=font)
-    x = 4
-    for k, name in enumerate(class_names[1:], start=1):
-        colour = tuple(int(c) for c in PALETTE[k % len(PALETTE)])
-        draw.rectangle((x, TEXT + 7, x + 10, TEXT + 15), fill=colour)
-        draw.text((x + 14, TEXT + 5), name, fill=(255, 255, 255), font=font)
-        x += 24 + int(draw.textlength(name, font=font))
+    for x, line, colour, name in entries:
+        y = (line + 1) * (TEXT + 4)
+        draw.rectangle((x, y + 3, x + 10, y + 11), fill=colour)
+        draw.text((x + 14, y + 1), name, fill=(255, 255, 255), font=font)
     return np.asarray(canvas)
 
 
