@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from data.acquisitions import simulate, thick_acquisitions, voxel_ratios
 from data.augment import AUGMENTATIONS, augment, spatial_transform
 from data.patches import PreparedCase, sample_patch
 
@@ -28,6 +29,8 @@ class PatchDataset(Dataset):
         fg_fraction: share of patches centred on a foreground voxel (nnU-Net: one third).
         seed: base seed of every sample's generator.
         augmentation: `basic` or `nnunet` (`data.augment`).
+        simulate_thick_slices: re-acquire some patches of the fine cases as the thick-slice cases among
+            `cases` were acquired (`data.acquisitions`), when there are both; nothing changes otherwise.
 
     Items are addressed by (epoch, index) as `EpochSampler` yields them (a bare index means epoch 0)
     and are (image (C, *patch_size) float32, label (*patch_size) uint8) tensors.
@@ -41,6 +44,7 @@ class PatchDataset(Dataset):
         fg_fraction: float = 1 / 3,
         seed: int = 0,
         augmentation: str = "basic",
+        simulate_thick_slices: bool = True,
     ) -> None:
         if not cases:
             raise ValueError("PatchDataset needs at least one case")
@@ -54,6 +58,12 @@ class PatchDataset(Dataset):
         if augmentation not in AUGMENTATIONS:
             raise ValueError(f"augmentation must be one of {AUGMENTATIONS}, got {augmentation!r}")
         self.augmentation = augmentation
+        # each case's voxel size in planned voxels, and the dataset's thick-slice acquisitions to simulate
+        self.ratios = [
+            np.ones(3) if c.geometry is None else voxel_ratios(c.geometry.canonical_spacing, c.geometry.planned_spacing)
+            for c in self.cases
+        ]
+        self.acquisitions = thick_acquisitions(self.ratios) if simulate_thick_slices else ()
 
     def __len__(self) -> int:
         return self.samples_per_epoch
@@ -69,6 +79,7 @@ class PatchDataset(Dataset):
         case_idx, force_fg, rng = self.plan(epoch, index)
         matrix = spatial_transform(rng, self.patch_size) if self.augmentation == "nnunet" else None
         image, label = sample_patch(self.cases[case_idx], self.patch_size, rng, force_fg, matrix)
+        image = simulate(image, self.ratios[case_idx], self.acquisitions, rng)
         image, label = augment(image, label, rng, self.augmentation)
         return torch.from_numpy(image), torch.from_numpy(label)
 

@@ -29,6 +29,7 @@ CHOICES = {
     "synthetic_geometry": GEOMETRIES,
     "deep_supervision": ("auto", "on", "off"),
     "augmentation": ("auto", *AUGMENTATIONS),
+    "simulate_thick_slices": ("auto", "off"),
 }
 
 # Defaults by device type. GPUs get nnU-Net's 3d_fullres width and a large patch; the CPU defaults are
@@ -155,6 +156,11 @@ class TrainConfig:
         "auto",
         "patch augmentation: basic (mirroring, intensity), nnunet (plus rotation, scaling, noise, blur, "
         "contrast, low resolution), auto (by device)",
+    )
+    simulate_thick_slices: str = _f(
+        "auto",
+        "auto: where the training cases mix thick-slice and fine acquisitions, a third of the fine cases' patches "
+        "are re-acquired as the thick ones (data.acquisitions), labels unchanged; off: never",
     )
     fg_fraction: float = _f(1 / 3, "share of patches centred on a foreground voxel")
     val_every: int = _f(1, "validate every this many epochs (and after the last)")

@@ -70,7 +70,15 @@ def open_cases(run: RunData, info: dist.DistInfo) -> tuple[list[PreparedCase], l
 def make_loader(rt: Runtime, cases: Sequence[PreparedCase]) -> DataLoader:
     """This rank's loader of augmented patches; its EpochSampler must be told each epoch (`set_epoch`)."""
     cfg = rt.cfg
-    patches = PatchDataset(cases, cfg.patch_size, cfg.samples_per_epoch, cfg.fg_fraction, cfg.seed, cfg.augmentation)
+    patches = PatchDataset(
+        cases,
+        cfg.patch_size,
+        cfg.samples_per_epoch,
+        cfg.fg_fraction,
+        cfg.seed,
+        cfg.augmentation,
+        simulate_thick_slices=cfg.simulate_thick_slices == "auto",
+    )
     dataset = slow_data(patches, rt.dist.rank)
     sampler = EpochSampler(dataset, num_replicas=rt.world_size, rank=rt.dist.rank, shuffle=True, seed=cfg.seed)
     return DataLoader(
