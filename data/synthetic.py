@@ -25,7 +25,9 @@ import json
 import math
 import os
 import shutil
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 
 import nibabel as nib
@@ -321,21 +323,38 @@ def write_synthetic_dataset(
     return root
 
 
+def _write_case(folder: Path, seed: int, index: int, size: int, geometry: str, is_test: bool) -> None:
+    image, label, affine = generate_case(seed, index, size, geometry)
+    name = f"synth_{index:03d}.nii.gz"
+    img_dir, lbl_dir = ("imagesTs", "labelsTs") if is_test else ("imagesTr", "labelsTr")
+    nib.save(nib.Nifti1Image(image, affine), folder / img_dir / name)
+    nib.save(nib.Nifti1Image(label, affine), folder / lbl_dir / name)
+
+
+def _writers(num_files: int) -> int:
+    """Processes to write `num_files` cases with: one per CPU this process may use, at most 8; one where
+    fork is missing (each case depends only on the seed and its index, so the files are the same)."""
+    if "fork" not in get_all_start_methods():
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cpus, 8, num_files))
+
+
 def _write(folder: Path, num_cases: int, size: int, seed: int, num_test: int, geometry: str) -> None:
     for sub in ("imagesTr", "labelsTr", "imagesTs", "labelsTs"):
         (folder / sub).mkdir(parents=True)
-    training, test = [], []
-    for i in range(num_cases + num_test):
-        image, label, affine = generate_case(seed, i, size, geometry)
-        is_test = i >= num_cases
-        name = f"synth_{i:03d}.nii.gz"
-        img_dir, lbl_dir = ("imagesTs", "labelsTs") if is_test else ("imagesTr", "labelsTr")
-        nib.save(nib.Nifti1Image(image, affine), folder / img_dir / name)
-        nib.save(nib.Nifti1Image(label, affine), folder / lbl_dir / name)
-        if is_test:
-            test.append(f"./imagesTs/{name}")
-        else:
-            training.append({"image": f"./imagesTr/{name}", "label": f"./labelsTr/{name}"})
+    jobs = [(folder, seed, i, size, geometry, i >= num_cases) for i in range(num_cases + num_test)]
+    processes = _writers(len(jobs))
+    if processes == 1:
+        for job in jobs:
+            _write_case(*job)
+    else:  # forked workers: numpy and nibabel only, nothing of a parent's process group or device
+        with ProcessPoolExecutor(processes, mp_context=get_context("fork")) as pool:
+            for done in [pool.submit(_write_case, *job) for job in jobs]:
+                done.result()  # a worker's error is raised here, and the folder is removed by the caller
+    names = [f"synth_{i:03d}.nii.gz" for i in range(num_cases + num_test)]
+    training = [{"image": f"./imagesTr/{n}", "label": f"./labelsTr/{n}"} for n in names[:num_cases]]
+    test = [f"./imagesTs/{n}" for n in names[num_cases:]]
     meta = {
         "name": "Synthetic",
         "description": f"synthetic MR-like volumes, seed {seed}, {geometry} geometry",

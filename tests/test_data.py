@@ -328,6 +328,31 @@ def test_synthetic_dataset_is_deterministic_and_rich(tmp_path):
     assert not any(p.name.startswith("c.tmp") for p in tmp_path.iterdir())
 
 
+def test_cases_written_by_several_processes_are_those_one_process_writes(tmp_path, monkeypatch):
+    """The cases are written by forked workers; each depends only on the seed and its index, so one
+    process writes the same files, in the same places, with the same dataset.json. A worker's error reaches
+    the caller and leaves no dataset behind."""
+    import data.synthetic as synthetic
+
+    assert synthetic._writers(5) == min(5, 8, len(os.sched_getaffinity(0)))
+    monkeypatch.setattr(synthetic, "_writers", lambda n: 2)
+    several = write_synthetic_dataset(tmp_path / "several", num_cases=3, size=24, seed=3, num_test=2, geometry="mixed")
+    monkeypatch.setattr(synthetic, "_writers", lambda n: 1)
+    one = write_synthetic_dataset(tmp_path / "one", num_cases=3, size=24, seed=3, num_test=2, geometry="mixed")
+    assert (several / "dataset.json").read_text() == (one / "dataset.json").read_text()
+    files = sorted(p.relative_to(one) for p in one.rglob("*.nii.gz"))
+    assert len(files) == 10 and files == sorted(p.relative_to(several) for p in several.rglob("*.nii.gz"))
+    for name in files:
+        a, b = nib.load(several / name), nib.load(one / name)
+        np.testing.assert_array_equal(np.asarray(a.dataobj), np.asarray(b.dataobj), err_msg=str(name))
+        np.testing.assert_array_equal(a.affine, b.affine)
+
+    monkeypatch.setattr(synthetic, "_writers", lambda n: 2)
+    with pytest.raises(ValueError, match="synthetic geometry must be one of"):
+        write_synthetic_dataset(tmp_path / "bad", num_cases=3, size=24, seed=3, num_test=0, geometry="oblique")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "several"], "no folder of the failed write"
+
+
 def test_every_voxel_integrates_its_box_finely_and_skips_only_voxels_no_boundary_crosses():
     """A voxel's intensity is the mean of the phantom over sub-samples at most SUBSAMPLE_MM apart that span its
     box (the earlier generator took one sample per mm across thick slices, 4 across 3.3 mm, and none but the
