@@ -121,9 +121,17 @@ def test_sigkill_of_one_rank_mid_epoch_resumes_and_completes(shared, tmp_path):
 # --- graceful stop and exact resume ---------------------------------------------------------------------
 
 
-def test_sigterm_stops_all_ranks_and_resuming_equals_an_uninterrupted_run(shared, tmp_path):
-    full = tmp_path / "full"
-    assert launch(*options(shared, full, 2)).returncode == 0
+@pytest.fixture(scope="module")
+def uninterrupted(shared, tmp_path_factory) -> Path:
+    """The out dir of a run of two epochs that nothing interrupted (read only: copy it to resume it)."""
+    full = tmp_path_factory.mktemp("uninterrupted") / "run"
+    result = launch(*options(shared, full, 2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return full
+
+
+def test_sigterm_stops_all_ranks_and_resuming_equals_an_uninterrupted_run(shared, uninterrupted, tmp_path):
+    full = uninterrupted
     out = tmp_path / "run"
     proc = start(*options(shared, out, 2))
     # Logged after epoch 1's checkpoint: the signal lands in epoch 2, whose first step is always trained
@@ -150,24 +158,31 @@ def test_sigterm_stops_all_ranks_and_resuming_equals_an_uninterrupted_run(shared
 # --- non-finite steps -----------------------------------------------------------------------------------
 
 
-def test_a_nan_on_one_rank_is_skipped_by_both(shared, tmp_path):
-    out = tmp_path / "run"
-    result = launch(*options(shared, out, 2), env={"UNET3D_FAULT_NAN": "1:18"})  # epoch 2, step 3
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = "epoch 2 step 3: skipped, a rank saw a non-finite loss or gradient"
+@pytest.fixture(scope="module")
+def nan_run(shared, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One run whose rank 1 sees a NaN loss at epoch 1's step 4 alone, then in epoch 2's steps 3 to 5."""
+    out = tmp_path_factory.mktemp("nan") / "run"
+    faults = {"UNET3D_FAULT_NAN": f"1:3,{EPOCH_STEPS + 2},{EPOCH_STEPS + 3},{EPOCH_STEPS + 4}"}
+    return out, launch(*options(shared, out, 2, "--max-bad-steps", "3"), env=faults)
+
+
+def test_a_nan_on_one_rank_is_skipped_by_both(nan_run):
+    out, result = nan_run
+    line = "epoch 1 step 4: skipped, a rank saw a non-finite loss or gradient"
     for rank in (0, 1):
         assert (out / "logs" / f"rank{rank}.log").read_text().count(line) == 1
-    assert "1 step(s) skipped" in result.stdout
+    epoch_1 = [s for s in result.stdout.splitlines() if s.startswith("epoch 1/2:")]
+    assert len(epoch_1) == 1 and "1 step(s) skipped" in epoch_1[0], result.stdout
     assert all(torch.isfinite(v).all() for v in checkpoint(out)["model"].values())
 
 
-def test_repeated_nan_stops_the_job_without_restarts(shared, tmp_path):
-    out = tmp_path / "run"
-    result = launch(*options(shared, out, 2, "--max-bad-steps", "3"), env={"UNET3D_FAULT_NAN": "1:18,19,20"})
+def test_repeated_nan_stops_the_job_without_restarts(nan_run):
+    out, result = nan_run
     assert result.returncode != 0
     assert "non-finite loss or gradients in 3 consecutive steps" in result.stdout
     assert "torchrun restart 1" not in (out / "logs" / "rank0.log").read_text(), "a restart would repeat it"
     assert checkpoint(out)["epoch"] == 1, "nothing written after the bad steps"
+    assert "epoch 2/2:" not in result.stdout
 
 
 def test_out_of_memory_on_one_rank_ends_the_job_once_with_advice(shared, tmp_path):
@@ -312,10 +327,10 @@ def test_a_crafted_checkpoint_is_refused_without_running_it(shared, tmp_path):
     assert not marker.exists()
 
 
-def test_resuming_with_another_architecture_names_the_fields(shared, tmp_path):
+def test_resuming_with_another_architecture_names_the_fields(shared, uninterrupted, tmp_path):
     out = tmp_path / "run"
-    assert launch(*options(shared, out, 1)).returncode == 0
-    result = launch(*options(shared, out, 2, "--features", "4", "8", "16", "--patch-size", "16"), timeout=60)
+    shutil.copytree(uninterrupted, out)
+    result = launch(*options(shared, out, 3, "--features", "4", "8", "16", "--patch-size", "16"), timeout=60)
     assert result.returncode == 2
     assert "configuration differs in" in result.stdout
     assert "features (checkpoint [8, 16, 32, 64], now [4, 8, 16])" in result.stdout
