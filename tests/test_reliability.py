@@ -105,16 +105,16 @@ def checkpoint(out: Path, name: str = "last.pt") -> dict:
 
 def test_sigkill_of_one_rank_mid_epoch_resumes_and_completes(shared, tmp_path):
     out = tmp_path / "run"
-    proc = start(*options(shared, out, 3))
-    wait_for(out / "logs" / "rank0.log", r"epoch 1/3:")  # logged after epoch 1's checkpoint: now in epoch 2
+    proc = start(*options(shared, out, 2))
+    wait_for(out / "logs" / "rank0.log", r"epoch 1/2:")  # logged after epoch 1's checkpoint: now in epoch 2
     os.kill(rank_pid(out, 1), signal.SIGKILL)
     rc, stdout, stderr = finish(proc)
     assert rc == 0, stderr[-3000:]
     assert "resumed from" in stdout and "1 epoch(s) and 0 step(s) done" in stdout
-    for epoch in range(1, 4):
-        assert stdout.count(f"epoch {epoch}/3:") == 1, f"epoch {epoch} must complete exactly once"
-    assert loss_steps(out) == [1, 2, 3], "TensorBoard: no duplicated or backwards steps"
-    assert checkpoint(out)["epoch"] == 3
+    for epoch in (1, 2):  # epoch 2 is trained in full after the restart
+        assert stdout.count(f"epoch {epoch}/2:") == 1, f"epoch {epoch} must complete exactly once"
+    assert loss_steps(out) == [1, 2], "TensorBoard: no duplicated or backwards steps"
+    assert checkpoint(out)["epoch"] == 2
     assert "torchrun restart 1" in (out / "logs" / "rank1.log").read_text()
 
 
