@@ -64,9 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
-    # A checkpoint to continue from (rank 0 picks it), read by every rank onto its own device.
+    # A checkpoint to continue from (rank 0 picks it), read by every rank into host memory: loading copies
+    # the weights and the optimizer's moments onto this rank's device, and the optimizer's step counters
+    # stay on the host (on a GPU, foreach AdamW would read them back with a sync per tensor each step).
     source = dist.run_on_main(lambda: resume_source(cfg))
-    checkpoint = load_checkpoint(source, info.device) if source is not None else None
+    checkpoint = load_checkpoint(source, "cpu") if source is not None else None
 
     # Data: checked, planned and cached by the ranks together; each rank validates its own share.
     cfg = follow_checkpoint(cfg, checkpoint)
@@ -80,6 +82,7 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     if checkpoint is not None:
         check_resumable(rt, checkpoint, state.model_args, Path(source))
         resume(rt, state, checkpoint, Path(source))
+    del checkpoint  # its host copy of the weights and moments is no longer needed
     validates = ever_validates(rt.cfg)  # a budget keeps room for a last validation only where one comes
     state.budget = TimeBudget.for_job(rt.cfg.time_limit, state.budget, started, state.schedule.progress, validates)
     model = wrap_for_training(rt, state.model)

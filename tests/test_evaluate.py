@@ -34,10 +34,21 @@ def test_bare_state_dicts_of_every_wrapper_load_identically(weights, prefix, wra
     saved = {prefix + k: v for k, v in weights.items()}
     torch.save({"state_dict": saved} if wrap else saved, tmp_path / "w.pt")
     model, checkpoint = load_model(tmp_path / "w.pt", torch.device("cpu"))
-    assert "config" not in checkpoint and model.features == FEATURES and not model.training
+    assert checkpoint == {} and model.features == FEATURES and not model.training, "no tensor is kept"
     loaded = model.state_dict()
     assert loaded.keys() == weights.keys()
     assert all(torch.equal(loaded[k], weights[k]) for k in weights)
+
+
+def test_a_loaded_model_keeps_the_checkpoints_facts_not_a_second_copy_of_its_tensors(weights, tmp_path):
+    """Ensemble members keep what load_model returns for as long as they predict: the weights (already in the
+    model), the optimizer's moments and the scaler state would sit beside every member on its device."""
+    moments = {"state": {0: {"momentum_buffer": torch.ones(3)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    facts = {"config": {"lr": 0.1}, "class_names": ["background", "organ", "lesion"], "epoch": 3}
+    torch.save({"model": weights, "optimizer": moments, "scaler": {"scale": 2.0}, **facts}, tmp_path / "c.pt")
+    model, checkpoint = load_model(tmp_path / "c.pt", torch.device("cpu"))
+    assert checkpoint == facts
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
 
 
 def test_mismatched_weights_name_the_keys(weights, tmp_path):

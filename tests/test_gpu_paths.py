@@ -120,6 +120,24 @@ def test_fp16_resume_from_a_checkpoint_written_without_a_grad_scaler():
     assert any("holds no GradScaler state" in w for w in warnings), warnings
 
 
+@pytest.mark.parametrize("saved", ["fused", "foreach"])
+def test_resuming_keeps_this_runs_optimizer_kernels_not_the_checkpoints(tmp_path, saved):
+    """A checkpoint's param groups carry the kernels of the run that wrote it (a bf16 run: fused); loading
+    them would make an fp16 run step with the fused kernels under the GradScaler. The run keeps its own
+    choice (on this CPU: torch's default, neither flag), and the moments and step counts are loaded."""
+    checkpoint = load_checkpoint(FIXTURE, "cpu")
+    for group in checkpoint["optimizer"]["param_groups"]:
+        group.update(fused=saved == "fused" or None, foreach=saved == "foreach" or None)
+    torch.save(checkpoint, tmp_path / "written_elsewhere.pt")
+    state = _resume_fixture_into(torch.amp.GradScaler("cpu", enabled=False), [], tmp_path / "written_elsewhere.pt")
+    assert [(g["fused"], g["foreach"]) for g in state.optimizer.param_groups] == [(None, None)]
+    saved_state = checkpoint["optimizer"]["state"]
+    assert len(state.optimizer.state_dict()["state"]) == len(saved_state) > 0
+    first = next(iter(saved_state))
+    for key, value in saved_state[first].items():
+        torch.testing.assert_close(state.optimizer.state_dict()["state"][first][key], value, msg=key)
+
+
 def test_an_unusable_optimizer_state_is_a_checkpoint_error(tmp_path):
     """Classified, so the job ends once with a message instead of torchrun restarting the same crash."""
     state = load_checkpoint(FIXTURE, "cpu")

@@ -163,12 +163,13 @@ def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
 def load_model(
     path: str | Path, device: torch.device, overrides: dict[str, Any] | None = None
 ) -> tuple[UNet3D, dict[str, Any]]:
-    """(UNet3D on `device` in eval mode, the loaded checkpoint: its `config`, `class_names`, `plan`, if any).
+    """(UNet3D on `device` in eval mode, the checkpoint's other entries: its `config`, `class_names`, `plan`, if any;
+    not its weights, optimizer or scaler state, nor any tensor).
 
     Reads train_ddp.py's checkpoints (which carry the architecture) and bare state dicts of any wrapper
     (the architecture read off the weight shapes); `overrides` replace model arguments that are not None.
     """
-    checkpoint = load_checkpoint(path, device)
+    checkpoint = load_checkpoint(path, "cpu")  # the weights are copied to `device` by the model's loading
     weights = state_dict_of(checkpoint)
     model_args = checkpoint.get("model_args") or infer_model_args(strip_wrapper_prefixes(weights))
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
@@ -177,4 +178,8 @@ def load_model(
     model_args = {**model_args, **given}
     model = UNet3D(**model_args).to(device)
     load_weights(model, weights, path)
-    return model.eval(), checkpoint
+    # what callers read (config, class_names, plan, split...); not the weights or the optimizer's moments,
+    # which would stay in memory beside the model for as long as the caller keeps the checkpoint
+    heavy = ("model", "state_dict", "optimizer", "scaler")
+    kept = {k: v for k, v in checkpoint.items() if k not in heavy and not isinstance(v, torch.Tensor)}
+    return model.eval(), kept

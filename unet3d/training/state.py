@@ -29,6 +29,8 @@ from unet3d.training.runtime import Runtime
 
 CHECKPOINT_FORMAT = 2  # 1: before TrainState (no "format" key), which loads the same way
 
+KERNEL_FLAGS = ("fused", "foreach")  # an optimizer group's choice of implementation
+
 
 @dataclass
 class PartialEpoch:
@@ -108,6 +110,10 @@ class TrainState:
         time budget is restored as it was; `TimeBudget.for_job` decides whether it still applies.
         """
         load_weights(self.model, checkpoint["model"], source)
+        # load_state_dict replaces each group's settings with the saved ones, the kernel flags too: a bf16
+        # run's checkpoint (fused) resumed under fp16 loss scaling would step with the fused kernels,
+        # which must never run there (`optimizer_kernels`). The kernels are this run's choice.
+        kernels = [{k: group.get(k) for k in KERNEL_FLAGS} for group in self.optimizer.param_groups]
         try:
             self.optimizer.load_state_dict(checkpoint["optimizer"])
             self.schedule.load_state_dict(checkpoint["scheduler"])
@@ -115,6 +121,8 @@ class TrainState:
             raise CheckpointError(
                 f"cannot resume from {source}: its optimizer or schedule state does not fit ({e})"
             ) from e
+        for group, chosen in zip(self.optimizer.param_groups, kernels, strict=True):
+            group.update(chosen)
         if self.scaler.is_enabled() and not checkpoint["scaler"]:
             # Written without fp16 loss scaling (fp32 or bf16): the scale starts afresh, as in a new run.
             warn(f"{source} holds no GradScaler state (it was trained without fp16): the loss scale starts afresh")
