@@ -250,6 +250,7 @@ def predict_cases(args, predictor: Predictor, cases, owner, out: Path, first: bo
         seconds = time.perf_counter() - began
         done.append({"case": case.name, "seconds": seconds})
         tqdm.write(f"{case.name}: {tuple(pred.shape)} in {seconds:.1f} s -> {target}")
+        del image, pred, planned, probs, native  # freed before the next case is predicted, not after
     if overview:
         write_overview(overview, out / "overview.png", predictor.class_names)
     owners = {case.name: owner[case.name].source for case in cases if case.name in owner}

@@ -179,13 +179,23 @@ def test_temporary_names_differ_between_hosts_with_the_same_pid(monkeypatch, tmp
 
 
 def test_stitched_logits_that_would_not_fit_on_the_gpu_go_to_the_host(monkeypatch):
-    from unet3d.inference.sliding_window import accumulator_device
+    from unet3d.inference.sliding_window import accumulator_device, volume_bytes
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * 2**30, 80 * 2**30))
-    ct = 15 * 512 * 512 * 600 * 4  # 14 classes and the weights of a 512 x 512 x 600 CT
-    assert accumulator_device(GPU, ct) == CPU
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    voxels = 512 * 512 * 600  # a CT with 14 classes
+    assert volume_bytes(14, voxels, tta=False) == 29 * voxels * 4  # logits, weights, softmax: 18 GB
+    assert volume_bytes(14, voxels, tta=True) == 43 * voxels * 4  # and the sum and a mirrored copy: 27 GB
+    assert accumulator_device(GPU, volume_bytes(14, voxels, tta=False)) == CPU
     assert accumulator_device(GPU, 2**30) == GPU
-    assert accumulator_device(CPU, ct) == CPU, "on the CPU there is nowhere else"
+    assert accumulator_device(GPU, 5 * 2**30) == CPU, "half of what the GPU can give, not all of it"
+    assert accumulator_device(CPU, volume_bytes(14, voxels, tta=False)) == CPU, "on the CPU there is nowhere else"
+    # after a training epoch the caching allocator holds 40 GB of blocks the driver counts as used: reusable
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 44 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 * 2**30)
+    assert accumulator_device(GPU, 5 * 2**30) == GPU
+    assert accumulator_device(GPU, volume_bytes(14, voxels, tta=True)) == CPU  # 27 GB > half of 48
 
 
 def test_cuda_step_times_are_read_only_once_the_gpu_has_reached_them(monkeypatch):

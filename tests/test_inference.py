@@ -97,6 +97,29 @@ def test_predict_with_tta_on_a_unet():
     assert int(plain.max()) < 3 and model.training, "predict restores the model's mode"
 
 
+def test_tta_holds_one_passs_logits_at_a_time(monkeypatch):
+    """A CT's logits take gigabytes: each mirrored pass's logits and probabilities are freed before the next
+    pass stitches its own (the GPU then holds the running sum and one pass, not every pass's leftovers)."""
+    import weakref
+
+    import unet3d.inference.sliding_window as sw
+
+    real, returned, alive_at_start = sw.sliding_window_inference, [], []
+
+    def recording(model, image, settings):
+        alive_at_start.append(sum(ref() is not None for ref in returned))
+        logits = real(model, image, settings)
+        returned.append(weakref.ref(logits))
+        return logits
+
+    monkeypatch.setattr(sw, "sliding_window_inference", recording)
+    torch.manual_seed(0)
+    settings = InferenceSettings(window=(8, 8, 8), tta=True)
+    probs = sw.predict_probabilities(UNet3D(1, 3, (4, 8)), torch.randn(1, 12, 10, 8), settings, torch.device("cpu"))
+    assert alive_at_start == [0] * 8, "no earlier pass's logits are alive when a pass starts"
+    torch.testing.assert_close(probs.sum(0), torch.ones(12, 10, 8))
+
+
 def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="overlap"):
         InferenceSettings(window=(16, 16, 8), overlap=1.0)

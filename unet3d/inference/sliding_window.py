@@ -64,13 +64,24 @@ GPU_SHARE = 0.5  # the stitched logits may take this share of the GPU's free mem
 
 
 def accumulator_device(device: torch.device, nbytes: int) -> torch.device:
-    """Where a volume's stitched logits are summed: on its GPU while they take at most GPU_SHARE of its free
-    memory, else in host memory (a 512 x 512 x 600 CT with 14 classes needs 9.4 GB of them), so a large case
-    is slower to stitch, never out of memory."""
+    """Where a volume's stitched logits are summed: on its GPU while the volume's tensors (`nbytes`) take at
+    most GPU_SHARE of the memory it can still give, else in host memory (a 512 x 512 x 600 CT with 14
+    classes needs 9.4 GB of logits alone), so a large case is slower to stitch, never out of memory.
+
+    What the GPU can give is its free memory plus what PyTorch's caching allocator holds unused: after a
+    training epoch the cache keeps the training's blocks, which the driver counts as used."""
     if device.type != "cuda":
         return device
     free, _ = torch.cuda.mem_get_info(device)
-    return device if nbytes <= GPU_SHARE * free else torch.device("cpu")
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return device if nbytes <= GPU_SHARE * (free + cached) else torch.device("cpu")
+
+
+def volume_bytes(num_classes: int, voxels: int, tta: bool) -> int:
+    """float32 bytes alive at once for one volume of `voxels`: the stitched logits and their weights, then
+    the softmax beside the logits; with TTA also the running sum of probabilities and a mirrored copy."""
+    volumes = 3 * num_classes + 1 if tta else 2 * num_classes + 1
+    return volumes * voxels * 4
 
 
 @torch.no_grad()
@@ -111,7 +122,7 @@ def sliding_window_inference(model: nn.Module, image: torch.Tensor, settings: In
         with autocast(device, settings.amp_dtype):
             out = model(batch).float()  # (b, K, *window)
         if logits is None:
-            on = accumulator_device(device, (out.shape[1] + 1) * math.prod(padded) * 4)
+            on = accumulator_device(device, volume_bytes(out.shape[1], math.prod(padded), settings.tta))
             logits = torch.zeros((out.shape[1],) + padded, device=on)
             norm = torch.zeros(padded, device=on)
             weight = gaussian_weight(window).to(on)
@@ -150,12 +161,17 @@ def predict_probabilities(
         probs = None
         mirrorings = [axes for r in range(4) for axes in itertools.combinations((1, 2, 3), r)]
         for axes in mirrorings:
-            flipped = x.flip(axes) if axes else x
-            logits = sliding_window_inference(model, flipped, settings)
-            p = torch.softmax(logits.flip(axes) if axes else logits, dim=0)
+            # One volume's tensors at a time (a CT's logits take gigabytes): this pass's logits are freed
+            # once softmaxed, its probabilities once summed, before the next pass stitches its own.
+            logits = sliding_window_inference(model, x.flip(axes) if axes else x, settings)
+            p = torch.softmax(logits, dim=0)
+            del logits
+            if axes:
+                p = p.flip(axes)
             if probs is not None and probs.device != p.device:  # this pass was stitched on the host: sum there
                 probs, p = probs.cpu(), p.cpu()
             probs = p if probs is None else probs.add_(p)
+            del p
         return probs.div_(len(mirrorings))
     finally:
         model.train(was_training)

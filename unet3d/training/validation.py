@@ -81,6 +81,7 @@ def validate(
             mine[:num_classes], mine[num_classes] = dice.to(device), 1
             if keep_preview and preview is None:
                 preview = _preview(case, probs.argmax(0), float(dice[1:].mean()))
+            del probs, pred, ref  # freed before the next case's logits are stitched, not after
         totals += dist.all_reduce_sum(mine)  # every rank, every round: a round waits for one case at most
     n = int(totals[-1].item())
     if n == 0:
