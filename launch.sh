@@ -91,13 +91,17 @@ else
   IFS=, read -r -a ids <<<"$spec,"
   [[ ${#ids[@]} -ge 1 ]] || die "empty GPU list '$spec'"
   declare -A seen=()
-  for id in "${ids[@]}"; do
+  for i in "${!ids[@]}"; do
+    id=${ids[$i]}
     [[ -n $id ]] || die "empty entry in GPU list '$spec'"
     [[ $id =~ ^-[0-9]+$ ]] && die "negative GPU id '$id' in '$spec'"
     [[ $id =~ ^[0-9]+$ ]] || die "GPU id '$id' in '$spec' is not a number"
+    id=$((10#$id))  # 05 is 5: CUDA would read 5,05 as a repeated ordinal and hide every GPU
     [[ -z ${seen[$id]:-} ]] || die "GPU id $id appears twice in '$spec'"
     seen[$id]=1
+    ids[$i]=$id
   done
+  spec=$(IFS=,; echo "${ids[*]}")
   command -v nvidia-smi >/dev/null 2>&1 || die "nvidia-smi not found: no NVIDIA driver? Use 'cpu' to train on the CPU"
   listing=$(nvidia-smi -L 2>/dev/null) || die "nvidia-smi -L failed; is the NVIDIA driver loaded?"
   mapfile -t gpus < <(grep -E '^GPU [0-9]+:' <<<"$listing" || true)

@@ -57,6 +57,7 @@ def started(tmp_path, name: str = "torchrun") -> dict | None:
     ("ids", "message"),
     [
         ("5,5", "GPU id 5 appears twice in '5,5'"),
+        ("3,03", "GPU id 3 appears twice in '3,03'"),  # CUDA reads a repeated ordinal as no GPU at all
         ("1,2,1", "GPU id 1 appears twice"),
         ("a", "GPU id 'a' in 'a' is not a number"),
         ("1,x", "GPU id 'x' in '1,x' is not a number"),
@@ -111,6 +112,15 @@ def test_gpu_ids_are_masked_and_mapped(env, tmp_path):
         "  rank 1 -> cuda:1 -> physical GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-00000001-aaaa-bbbb-cccc-dddddddddddd)"
         in lines
     )
+
+
+def test_gpu_ids_with_leading_zeros_are_the_same_gpus(env, tmp_path):
+    """`03,1` names GPUs 3 and 1: CUDA is given `3,1` (the ids as nvidia-smi numbers them)."""
+    result = run(["bash", "launch.sh", "03,001", "--epochs", "1"], env=env, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert started(tmp_path)["env"]["CUDA_VISIBLE_DEVICES"] == "3,1"
+    assert "CUDA_VISIBLE_DEVICES=3,1, 2 process(es)" in result.stdout
+    assert any(line.startswith("  rank 1 -> cuda:1 -> physical GPU 1: NVIDIA") for line in result.stdout.splitlines())
 
 
 def test_cpu_mode_hides_gpus_and_shares_cores(env, tmp_path):
