@@ -79,6 +79,7 @@ if [[ $spec =~ ^cpu(:(.*))?$ ]]; then
   [[ $nproc_per_node =~ ^[0-9]+$ && $nproc_per_node -ge 1 ]] ||
     die "cpu:N needs a positive number of processes, got '$nproc_per_node'"
   export CUDA_VISIBLE_DEVICES=""  # hide every GPU: the ranks use gloo on the CPU
+  export UNET3D_EXPECT_CUDA=0
   threads=$((cpus / nproc_per_node))
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
   echo "launch.sh: $nproc_per_node CPU process(es), gloo backend, OMP_NUM_THREADS=$OMP_NUM_THREADS"
@@ -111,6 +112,7 @@ else
   nproc_per_node=${#ids[@]}
   export CUDA_DEVICE_ORDER=PCI_BUS_ID  # CUDA numbers GPUs as nvidia-smi does
   export CUDA_VISIBLE_DEVICES=$spec
+  export UNET3D_EXPECT_CUDA=1  # the pre-flight and every rank refuse to run on the CPU instead
   threads=$((cpus / nproc_per_node))
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
   echo "launch.sh: CUDA_DEVICE_ORDER=$CUDA_DEVICE_ORDER CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES, $nproc_per_node process(es), nccl backend"

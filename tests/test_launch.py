@@ -103,6 +103,7 @@ def test_gpu_ids_are_masked_and_mapped(env, tmp_path):
     assert preflight["argv"] == [str(REPO / "train_ddp.py"), "--epochs", "5", "--out-dir", "runs/x y", "--prepare-only"]
     assert preflight["env"]["CUDA_VISIBLE_DEVICES"] == "3,1" and preflight["env"]["WORLD_SIZE"] == "2"
     assert preflight["env"]["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1", "the pre-flight must not initialise CUDA"
+    assert preflight["env"]["UNET3D_EXPECT_CUDA"] == spy["env"]["UNET3D_EXPECT_CUDA"] == "1"
     lines = result.stdout.splitlines()
     assert (
         "  rank 0 -> cuda:0 -> physical GPU 3: NVIDIA H100 80GB HBM3 (UUID: GPU-00000003-aaaa-bbbb-cccc-dddddddddddd)"
@@ -127,12 +128,34 @@ def test_cpu_mode_hides_gpus_and_shares_cores(env, tmp_path):
     result = run(["bash", "launch.sh", "cpu:3", "--resume", "none"], env={**env, "OMP_NUM_THREADS": ""}, timeout=30)
     assert result.returncode == 0, result.stderr
     spy = started(tmp_path)
-    assert spy["env"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert spy["env"]["CUDA_VISIBLE_DEVICES"] == "" and spy["env"]["UNET3D_EXPECT_CUDA"] == "0"
     assert spy["env"]["OMP_NUM_THREADS"] == str(max(1, os.cpu_count() // 3))
     assert spy["argv"][:3] == ["--standalone", "--nproc-per-node", "3"] and spy["argv"][-2:] == ["--resume", "none"]
     assert "rank 2 -> cpu" in result.stdout
     default = run(["bash", "launch.sh", "cpu"], env=env, timeout=30)
     assert default.returncode == 0 and started(tmp_path)["argv"][2] == "2"
+
+
+def test_gpu_ids_on_a_machine_whose_torch_sees_no_gpu_are_refused_not_run_on_the_cpu(env, tmp_path, monkeypatch):
+    """nvidia-smi lists GPUs (the stand-in) but this torch sees none (a CPU build, or a driver it cannot use):
+    the real pre-flight stops the job with one message instead of the ranks training on the CPU with gloo
+    after the launcher said nccl; a rank started without the pre-flight refuses the same way."""
+    real = {"PATH": env["PATH"], "UNET3D_LAUNCH_TIME": ""}  # the stand-in nvidia-smi, the real python and torchrun
+    out = tmp_path / "run"
+    result = run(["bash", "launch.sh", "0,1", "--out-dir", str(out), "--synthetic-dir", str(tmp_path)], env=real)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "launch.sh was given GPUs (CUDA_VISIBLE_DEVICES=0,1) but PyTorch sees none" in errors[0]
+    assert not (out / "logs").exists() and not any(tmp_path.glob("cases*")), "nothing started, nothing written"
+
+    from unet3d.training import dist
+
+    monkeypatch.setenv("UNET3D_EXPECT_CUDA", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    with pytest.raises(ValueError, match=r"given GPUs \(CUDA_VISIBLE_DEVICES=2\) but PyTorch sees none"):
+        dist.setup()
+    monkeypatch.setenv("UNET3D_EXPECT_CUDA", "0")
+    assert dist.check_gpus_visible() is None
 
 
 def test_help_explains_ids_and_pass_through(env):

@@ -60,6 +60,20 @@ def read_env() -> tuple[int, int, int, int]:
     return rank, local_rank, world_size, local_world_size
 
 
+EXPECT_CUDA = "UNET3D_EXPECT_CUDA"  # set to 1 by launch.sh when it was given GPU ids
+
+
+def check_gpus_visible() -> None:
+    """Raise ValueError when launch.sh was given GPU ids but PyTorch sees no GPU (a CPU-only build of torch,
+    a driver it cannot use): the ranks would otherwise train on the CPU after the launcher said nccl."""
+    if os.environ.get(EXPECT_CUDA) == "1" and not torch.cuda.is_available():
+        raise ValueError(
+            f"launch.sh was given GPUs (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}) "
+            f"but PyTorch sees none (torch {torch.__version__}, CUDA build {torch.version.cuda}): check the driver "
+            "with nvidia-smi and that this torch is a CUDA build, or launch with cpu[:N]"
+        )
+
+
 def setup(timeout: timedelta | None = None, setup_timeout: timedelta | None = None) -> DistInfo:
     """Bind this process to its device, then create the process group (nccl on GPUs, else gloo).
 
@@ -69,6 +83,7 @@ def setup(timeout: timedelta | None = None, setup_timeout: timedelta | None = No
     barrier, collectives get `timeout`.
     """
     rank, local_rank, world_size, local_world_size = read_env()
+    check_gpus_visible()
     if torch.cuda.is_available():
         visible = torch.cuda.device_count()
         if local_rank >= visible:

@@ -13,7 +13,7 @@ from data.prepare import DatasetError, build, in_processes, inspect, resolve_dat
 from unet3d.checkpoint import CheckpointError
 from unet3d.training.checkpointing import check_compatible, find_resume, follow_checkpoint
 from unet3d.training.config import TrainConfig, plan_request
-from unet3d.training.dist import DistInfo
+from unet3d.training.dist import DistInfo, check_gpus_visible
 from unet3d.training.loading import choose_plan
 from unet3d.training.logs import setup_logging
 from unet3d.training.runtime import resolve_config
@@ -27,6 +27,7 @@ def preflight(cfg: TrainConfig) -> int:
     # launch.sh sets PYTORCH_NVML_BASED_CUDA_CHECK: this asks NVML, so no CUDA context is created anywhere
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
+        check_gpus_visible()
         found = find_resume(cfg.resume, cfg.out_dir, "cpu", log.warning)
         checkpoint = found[1] if found is not None else None
         cfg = follow_checkpoint(cfg, checkpoint)
