@@ -4,6 +4,10 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import nibabel as nib
@@ -33,6 +37,7 @@ from data.synthetic import (
     subsample_offsets,
     write_synthetic_dataset,
 )
+from tests.helpers import REPO
 
 
 def write_msd(root: Path, cases: dict[str, tuple[np.ndarray, np.ndarray]], labels=None, modality=None) -> Path:
@@ -518,3 +523,55 @@ def test_nnunet_intensity_augmentation_leaves_the_label_alone():
         assert np.array_equal(aug_label, label) or flipped or aug_label.sum() == label.sum(), "only flips move it"
         changed += not np.allclose(aug_image, image)
     assert changed > 20
+
+
+LOADER_SCRIPT = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+from torch.utils.data import DataLoader, Dataset
+from data.dataset import ignore_stop_signals
+
+class Pids(Dataset):
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, i):
+        return os.getpid()
+
+loader = DataLoader(Pids(), batch_size=1, num_workers=1, persistent_workers=True, worker_init_fn=ignore_stop_signals)
+batches = iter(loader)
+print(int(next(batches)[0]), flush=True)
+time.sleep(60)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie that nobody reaped (a container's PID 1 may never reap)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_a_killed_training_processs_loader_workers_die_with_it():
+    """A rank killed by SIGKILL (the OOM killer, a crash) takes its DataLoader workers with it at once: they
+    hold its inherited sockets, and while they live the other ranks do not learn that it died (the loader's
+    own watchdog looks every 5 s)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOADER_SCRIPT.format(repo=str(REPO))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        worker = int(proc.stdout.readline())
+        assert worker != proc.pid and _alive(worker)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 2.0  # the watchdog alone would take up to 5 s
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _alive(worker), "the worker outlived its killed parent"
+    finally:
+        proc.kill()
