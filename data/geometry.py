@@ -49,7 +49,7 @@ def affine_problems(affine: np.ndarray, shape: Sequence[int], path: object) -> l
     cosines = np.abs(unit.T @ unit - np.eye(3))
     if cosines.max() > SHEAR_TOLERANCE:
         problems.append(
-            f"{path}: the affine is sheared (voxel axes at {math.degrees(math.acos(1 - cosines.max())):.1f}"
+            f"{path}: the affine is sheared (voxel axes at {math.degrees(math.asin(min(1.0, cosines.max()))):.1f}"
             " degrees from orthogonal); resample it to an orthogonal grid first"
         )
     return problems

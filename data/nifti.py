@@ -15,10 +15,14 @@ LABEL_ROUNDING = 1e-3  # a float label may miss its integer by rounding (a scale
 def load_image(path: str | Path) -> tuple[np.ndarray, nib.Nifti1Image]:
     """A 3D or 4D NIfTI image -> (float32 array (C, X, Y, Z), the nibabel image for affine and header).
 
-    MSD stores several modalities as a 4D volume with the channel last; it is moved to the front.
+    MSD stores several modalities as a 4D volume with the channel last; it is moved to the front. ITK and
+    SimpleITK write a multi-component image as 5D (X, Y, Z, 1, C), the NIfTI standard's place for vector
+    components: its empty time axis is dropped.
     """
     img = _load(path)
     data = np.asarray(img.dataobj, dtype=np.float32)
+    if data.ndim == 5 and data.shape[3] == 1:
+        data = data[:, :, :, 0]
     if data.ndim == 3:
         data = data[None]
     elif data.ndim == 4:
@@ -32,7 +36,7 @@ def load_label(path: str | Path) -> tuple[np.ndarray, nib.Nifti1Image]:
     """A 3D NIfTI label map of integers (stored as integers or floats) -> (uint8 array (X, Y, Z), the nibabel image)."""
     img = _load(path)
     data = np.asarray(img.dataobj)
-    if data.ndim == 4 and data.shape[-1] == 1:
+    while data.ndim > 3 and data.shape[-1] == 1:  # (X, Y, Z, 1) or ITK's (X, Y, Z, 1, 1)
         data = data[..., 0]
     if data.ndim != 3:
         raise ValueError(f"{path}: expected a 3D label map, got shape {data.shape}")

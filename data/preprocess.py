@@ -65,7 +65,7 @@ def preprocess(
     """`image` (C, X, Y, Z) as read from a file with `affine` (and its `label` (X, Y, Z)) into the plan's space.
 
     Reoriented by permutation and flips; cropped to the image's non-zero box; normalised; resampled to the
-    target spacing (linear; a thick axis on its own with nearest neighbours; labels through each class's
+    target spacing (linear; a thick axis on its own, also linearly, which needs less memory; labels through each class's
     interpolated mask, so no class is invented). `num_classes` is needed with a label.
     """
     ornt = canonical_ornt(affine) if plan.orientation == "RAS" else IDENTITY_ORNT

@@ -575,3 +575,20 @@ def test_a_killed_training_processs_loader_workers_die_with_it():
         assert not _alive(worker), "the worker outlived its killed parent"
     finally:
         proc.kill()
+
+
+def test_itk_multi_component_files_are_read_as_channels(tmp_path):
+    """ITK and SimpleITK write a vector image as 5D (X, Y, Z, 1, C), a label as (X, Y, Z, 1, 1)."""
+    image = np.random.default_rng(0).normal(size=(5, 6, 7, 1, 2)).astype(np.float32)
+    label = np.zeros((5, 6, 7, 1, 1), np.uint8)
+    label[1:3, 2:4, 3:5] = 2
+    nib.save(nib.Nifti1Image(image, np.diag([0.8, 0.8, 3.0, 1.0])), tmp_path / "image.nii.gz")
+    nib.save(nib.Nifti1Image(label, np.diag([0.8, 0.8, 3.0, 1.0])), tmp_path / "label.nii.gz")
+    channels, _ = load_image(tmp_path / "image.nii.gz")
+    assert channels.shape == (2, 5, 6, 7)
+    np.testing.assert_array_equal(channels[1], image[:, :, :, 0, 1])
+    seg, _ = load_label(tmp_path / "label.nii.gz")
+    assert seg.shape == (5, 6, 7) and int(seg.sum()) == 2 * 8
+    nib.save(nib.Nifti1Image(image.reshape(5, 6, 7, 2, 1), np.eye(4)), tmp_path / "time.nii.gz")
+    with pytest.raises(ValueError, match=r"time.nii.gz: expected a 3D or 4D image, got shape \(5, 6, 7, 2, 1\)"):
+        load_image(tmp_path / "time.nii.gz")

@@ -223,6 +223,14 @@ def test_bad_geometry_is_named(affine, shape, message):
     assert any(message in p for p in problems), problems
 
 
+def test_a_shear_is_reported_by_its_angle():
+    """Axes at 73.3 degrees to each other (a shear of 0.3 along one axis) are 16.7 degrees from orthogonal."""
+    sheared = np.array([[1, 0.3, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1.0]])
+    expected = 90 - np.degrees(np.arccos(0.3 / np.hypot(1, 0.3)))
+    assert f"voxel axes at {expected:.1f} degrees from orthogonal" in affine_problems(sheared, (8, 8, 8), "x")[0]
+    assert f"{expected:.1f}" == "16.7"
+
+
 def test_oblique_scans_are_fine():
     angle = np.radians(20)
     rotation = np.array([[np.cos(angle), -np.sin(angle), 0], [np.sin(angle), np.cos(angle), 0], [0, 0, 1]])

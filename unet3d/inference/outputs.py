@@ -33,9 +33,8 @@ def save_prediction(pred: np.ndarray, like: nib.Nifti1Image, path: Path) -> None
 
 def save_probabilities(probs: np.ndarray, class_names: Sequence[str], path: Path) -> None:
     """(K, X, Y, Z) float16 probabilities on the input's grid, with the class names, as a compressed .npz."""
-    buffer = io.BytesIO()
-    np.savez_compressed(buffer, probabilities=probs.astype(np.float16), class_names=np.array(list(class_names)))
-    atomic_write(path, lambda f: f.write(buffer.getvalue()))
+    half = probs.astype(np.float16, copy=False)  # already float16 from `to_native_probabilities`: no copy
+    atomic_write(path, lambda f: np.savez_compressed(f, probabilities=half, class_names=np.array(list(class_names))))
 
 
 def summarise(rows: list[dict[str, Any]], class_names: Sequence[str]) -> dict[str, Any]:
