@@ -29,7 +29,7 @@ from data.plan import Fingerprint, Plan, PlanRequest, fingerprint_arrays
 from data.preprocess import preprocess
 from unet3d.files import atomic_write, atomic_write_text
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4  # 4: fingerprints measure the shape before the crop (the masked z-score's rule)
 
 
 def _sources(case: Case) -> list:

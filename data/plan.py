@@ -47,6 +47,7 @@ class Fingerprint:
     spacing: tuple[float, float, float]  # voxel size after reorientation (mm)
     shape: tuple[int, int, int]  # spatial shape after reorientation and the crop
     foreground: dict[int, list[float]] = field(default_factory=dict)  # CT channel -> foreground intensity samples
+    full_shape: tuple[int, int, int] | None = None  # spatial shape before the crop (None: not measured)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -54,12 +55,21 @@ class Fingerprint:
             "spacing": list(self.spacing),
             "shape": list(self.shape),
             "foreground": {str(c): v for c, v in self.foreground.items()},
+            "full_shape": list(self.full_shape) if self.full_shape is not None else None,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Fingerprint:
         foreground = {int(c): list(v) for c, v in d["foreground"].items()}
-        return cls(name=d["name"], spacing=tuple(d["spacing"]), shape=tuple(d["shape"]), foreground=foreground)
+        full = tuple(d["full_shape"]) if d.get("full_shape") is not None else None
+        return cls(
+            name=d["name"], spacing=tuple(d["spacing"]), shape=tuple(d["shape"]), foreground=foreground, full_shape=full
+        )
+
+    @property
+    def kept_by_crop(self) -> float | None:
+        """The share of the volume's voxels that the crop keeps (None when the full shape was not measured)."""
+        return math.prod(self.shape) / math.prod(self.full_shape) if self.full_shape else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +113,7 @@ def fingerprint_arrays(
         spacing=reoriented_spacing(spacing_of(affine), ornt),
         shape=tuple(hi - lo for lo, hi in box),
         foreground=foreground,
+        full_shape=tuple(int(s) for s in image.shape[1:]),
     )
 
 
@@ -219,13 +230,21 @@ class Plan:
 def _describe_normalization(n: dict[str, Any]) -> str:
     if n["scheme"] == "ct":
         return f"{n['modality']}: clip {n['clip'][0]:.4g}..{n['clip'][1]:.4g}, mean {n['mean']:.4g}, std {n['std']:.4g}"
-    return f"{n['modality']}: {n['scheme']}"
+    return f"{n['modality']}: {n['scheme']}" + (" inside the non-zero mask" if n.get("mask") else "")
+
+
+MASK_RULE = 0.75  # nnU-Net: z-score inside the non-zero mask when the crop keeps less than this share, median
 
 
 def normalization_plan(modalities: Sequence[str], fingerprints: Sequence[Fingerprint]) -> tuple[dict[str, Any], ...]:
     """Per channel: CT with the dataset-wide foreground statistics (clip to the 0.5 and 99.5 percentiles of
     every training case's foreground intensities, then z-score with their mean and std, as nnU-Net); every
-    other modality a z-score per case."""
+    other modality a z-score per case. Where the crop to the non-zero region keeps less than MASK_RULE of
+    the median case (skull-stripped or masked MR, whose box still holds much exact zero), the z-score is
+    taken inside the non-zero mask and the rest stays 0 (`"mask": true`), as nnU-Net's
+    use_mask_for_norm: otherwise a case's statistics depend on how much of its box the organ fills."""
+    kept = [f.kept_by_crop for f in fingerprints if f.kept_by_crop is not None]
+    masked = bool(kept) and float(np.median(kept)) < MASK_RULE
     out = []
     for c, modality in enumerate(modalities):
         samples = [v for f in fingerprints for v in f.foreground.get(c, [])]
@@ -242,7 +261,7 @@ def normalization_plan(modalities: Sequence[str], fingerprints: Sequence[Fingerp
                 }
             )
         else:
-            out.append({"modality": modality, "scheme": "zscore"})
+            out.append({"modality": modality, "scheme": "zscore", **({"mask": True} if masked else {})})
     return tuple(out)
 
 

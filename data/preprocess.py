@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from scipy import ndimage
 
 from data.geometry import (
     IDENTITY_ORNT,
@@ -32,10 +33,17 @@ class Planned:
     geometry: Geometry
 
 
+def nonzero_mask(image: np.ndarray) -> np.ndarray:
+    """(X, Y, Z) bool: where any channel of `image` (C, X, Y, Z) is non-zero, with enclosed holes filled (a
+    zero voxel inside the anatomy is anatomy), as nnU-Net's crop mask."""
+    return ndimage.binary_fill_holes(np.any(image != 0, axis=0))
+
+
 def normalize(image: np.ndarray, normalization: Sequence[dict[str, Any]]) -> np.ndarray:
-    """Per channel, the plan's scheme: `zscore` (per case), `ct` (clip to the dataset's foreground 0.5 and 99.5
-    percentiles, z-score with its foreground mean and std) or `ct-per-case` (clip to this case's own 0.5 and
-    99.5 percentiles, then z-score: the rule before plans existed).
+    """Per channel, the plan's scheme: `zscore` (per case; with `mask`, inside `nonzero_mask` and 0 outside),
+    `ct` (clip to the dataset's foreground 0.5 and 99.5 percentiles, z-score with its foreground mean and std)
+    or `ct-per-case` (clip to this case's own 0.5 and 99.5 percentiles, then z-score: the rule before plans
+    existed).
 
     Args:
         image: (C, X, Y, Z) float32, one entry of `normalization` per channel.
@@ -43,8 +51,14 @@ def normalize(image: np.ndarray, normalization: Sequence[dict[str, Any]]) -> np.
     if len(normalization) != image.shape[0]:
         raise ValueError(f"image has {image.shape[0]} channel(s) but the plan normalises {len(normalization)}")
     out = np.empty(image.shape, dtype=np.float32)
+    inside = nonzero_mask(image) if any(rule.get("mask") for rule in normalization) else None
     for c, rule in enumerate(normalization):
         channel = image[c]
+        if rule.get("mask") and inside is not None and inside.any():  # zscore inside the mask, 0 outside
+            values = channel[inside]
+            mean, std = float(values.mean(dtype=np.float64)), float(values.std(dtype=np.float64))
+            out[c] = np.where(inside, (channel - mean) / max(std, 1e-8), 0.0)
+            continue
         if rule["scheme"] == "ct":
             lo, hi = rule["clip"]
             out[c] = (np.clip(channel, lo, hi) - rule["mean"]) / rule["std"]

@@ -285,6 +285,57 @@ def test_a_plan_for_thick_slices_pools_in_plane_first_and_has_dataset_ct_statist
     assert fingerprint == cases[0]
 
 
+def _brain(margin: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A skull-stripped MR-like case: an ellipsoid of tissue (with a dark ventricle, exactly 0 inside it) in
+    a box of exact zeros, `margin` voxels of zero beyond the tissue's bounding box on every side; (image
+    (1, X, Y, Z), label)."""
+    n = 24 + 2 * margin
+    x, y, z = np.meshgrid(*[np.arange(n) - (n - 1) / 2] * 3, indexing="ij")
+    inside = (x / 11.5) ** 2 + (y / 11.5) ** 2 + (z / 11.5) ** 2 <= 1
+    image = np.where(inside, rng.normal(300, 40, inside.shape), 0).astype(np.float32)
+    image[(x**2 + y**2 + z**2) <= 9] = 0  # a hole inside the anatomy: anatomy, not background
+    label = (inside & (x > 4)).astype(np.uint8)
+    return image[None], label
+
+
+def test_masked_mr_is_z_scored_inside_its_non_zero_mask_as_nnunet_does():
+    """Skull-stripped MR: the crop to the non-zero box keeps under 3/4 of the volume (the box's corners are
+    still exact zeros), so the plan z-scores inside the non-zero mask (holes filled) and leaves the rest 0;
+    the tissue then normalises the same however much zero its box holds. Data whose crop keeps most of the
+    volume (every synthetic case: noise is nowhere 0), and CT, keep their rules."""
+    from data.preprocess import nonzero_mask, normalize
+
+    rng = np.random.default_rng(0)
+    request = PlanRequest(patch_voxels=16**3, widths=(4, 16), max_levels=3)
+    padded = [_brain(8, rng) for _ in range(3)]
+    cases = [fingerprint_arrays(f"c{i}", im, np.eye(4), lb, ["FLAIR"], request) for i, (im, lb) in enumerate(padded)]
+    assert cases[0].full_shape == (40, 40, 40) and cases[0].shape == (22, 22, 22)
+    plan = make_plan(cases, ["FLAIR"], request)
+    assert plan.normalization == ({"modality": "FLAIR", "scheme": "zscore", "mask": True},)
+    assert "FLAIR: zscore inside the non-zero mask" in plan.describe()
+    assert Plan.from_dict(plan.to_dict()) == plan
+
+    image = padded[0][0]
+    tight, loose = image[:, 9:-9, 9:-9, 9:-9], image[:, 4:-4, 4:-4, 4:-4]  # one tissue, two boxes
+    out_tight, out_loose = normalize(tight, plan.normalization), normalize(loose, plan.normalization)
+    np.testing.assert_allclose(out_loose[:, 5:-5, 5:-5, 5:-5], out_tight, rtol=1e-5, atol=1e-5)
+    assert not out_loose[:, :5].any(), "outside the mask stays 0"
+    inside = out_tight[0][nonzero_mask(tight)]  # the tissue and its hole
+    assert abs(inside.mean()) < 1e-4 and abs(inside.std() - 1) < 1e-3
+    assert tight[0, 11, 11, 11] == 0 and out_tight[0, 11, 11, 11] != 0, "the hole is normalised with the anatomy"
+    plain = {"modality": "FLAIR", "scheme": "zscore"}
+    unmasked = normalize(tight, [plain]), normalize(loose, [plain])
+    assert np.abs(unmasked[1][:, 5:-5, 5:-5, 5:-5] - unmasked[0]).max() > 0.1, "without the mask the box decides"
+
+    boxed = [(image[:, 9:-9, 9:-9, 9:-9], label[9:-9, 9:-9, 9:-9]) for image, label in padded]
+    full = [fingerprint_arrays(f"c{i}", im, np.eye(4), lb, ["FLAIR"], request) for i, (im, lb) in enumerate(boxed)]
+    assert make_plan(full, ["FLAIR"], request).normalization == (plain,), "the crop keeps most of these"
+    legacy = [Fingerprint(name=c.name, spacing=c.spacing, shape=c.shape) for c in cases]
+    assert make_plan(legacy, ["FLAIR"], request).normalization == (plain,), "not measured: no mask"
+    ct = [fingerprint_arrays(f"c{i}", im - 1000, np.eye(4), lb, ["CT"], request) for i, (im, lb) in enumerate(padded)]
+    assert make_plan(ct, ["CT"], request).normalization[0]["scheme"] == "ct"
+
+
 def test_a_resumed_run_keeps_its_plan_and_says_where_the_data_no_longer_fits(tiny_dataset, tmp_path, caplog):
     import logging
     from dataclasses import replace
