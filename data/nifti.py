@@ -40,16 +40,19 @@ def load_label(path: str | Path) -> tuple[np.ndarray, nib.Nifti1Image]:
         data = data[..., 0]
     if data.ndim != 3:
         raise ValueError(f"{path}: expected a 3D label map, got shape {data.shape}")
-    if not np.isfinite(data).all():
-        raise ValueError(f"{path}: label map holds NaN or infinite values")
-    rounded = np.rint(data)
-    if data.dtype.kind == "f":
+    if data.dtype.kind in "iub":  # integers as stored: nothing to round (and no float copy of a CT-sized map)
+        rounded = data
+    else:
+        if not np.isfinite(data).all():
+            raise ValueError(f"{path}: label map holds NaN or infinite values")
+        rounded = np.rint(data)
         off = np.abs(data - rounded) > LABEL_ROUNDING
         if off.any():
             raise ValueError(
                 f"{path}: label map holds {int(off.sum())} non-integer value(s), e.g. {float(data[off][0]):g} (was it "
                 "resampled with interpolation? labels need nearest neighbour)"
             )
+        del off
     if rounded.min() < 0 or rounded.max() > 255:
         raise ValueError(f"{path}: label values must lie in 0..255, got {rounded.min()}..{rounded.max()}")
     return rounded.astype(np.uint8), img

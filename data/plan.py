@@ -105,7 +105,7 @@ def fingerprint_arrays(
     where = label > 0
     for c, modality in enumerate(modalities):
         if modality.upper() == "CT" and where.any():
-            values = np.asarray(image[c], dtype=np.float64)[reorient(where, ornt)]
+            values = np.asarray(image[c][reorient(where, ornt)], dtype=np.float64)  # the foreground only
             take = rng.choice(len(values), min(len(values), FOREGROUND_SAMPLES), replace=False)
             foreground[c] = [float(v) for v in values[take]]
     return Fingerprint(
