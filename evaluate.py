@@ -43,7 +43,14 @@ from unet3d.inference.outputs import (
     write_metrics,
 )
 from unet3d.inference.pictures import Preview, middle_planes, overlay, write_overview
-from unet3d.inference.predictor import Options, Predictor, check_members, load_members, member_plan
+from unet3d.inference.predictor import (
+    Options,
+    Predictor,
+    check_members,
+    image_channels,
+    load_members,
+    member_plan,
+)
 from unet3d.precision import AMP_CHOICES, MEMORY_FORMAT_CHOICES, format_name, resolve_amp, resolve_memory_format
 
 
@@ -116,7 +123,7 @@ def output_dir(args: argparse.Namespace) -> Path:
 def select(args: argparse.Namespace, members) -> tuple[list[InputCase], dict[str, Any], Any]:
     """(the cases, the member(s) for each case by name, the dataset spec or None)."""
     if args.images:
-        return folder_cases(args.images, members[0].model.in_channels), {}, None
+        return folder_cases(args.images, image_channels(members[0])), {}, None
     cfg = members[0].config
     data_dir = args.data_dir or (cfg or {}).get("data_dir")
     if data_dir is None:

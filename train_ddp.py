@@ -88,7 +88,7 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     model = wrap_for_training(rt, state.model)
     first_step = state.epoch * rt.steps_per_epoch + state.step
     loss_fn = inject_faults(build_loss(rt.cfg.loss, state.model), info.rank, first_step)
-    loader = make_loader(rt, train_cases)
+    loader = make_loader(rt, train_cases, data.plan.acquisition_channel)
     control = StepControl(rt.device, rt.cfg.max_bad_steps, state.budget, started)
     control.progress_floor = state.schedule.progress
     if rt.cfg.profile and (rt.is_main or rt.cfg.profile_every_rank):

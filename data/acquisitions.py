@@ -104,16 +104,58 @@ def thick_slices(
 
 
 def simulate(
-    image: np.ndarray, ratio: np.ndarray, acquisitions: Sequence[tuple[int, float]], rng: np.random.Generator
+    image: np.ndarray,
+    ratio: np.ndarray,
+    acquisitions: Sequence[tuple[int, float]],
+    rng: np.random.Generator,
+    channel: bool = False,
 ) -> np.ndarray:
     """A patch `image` (C, X, Y, Z) of a case whose voxels span `ratio` planned voxels: with probability
     P_SIMULATE, when the case is fine and the dataset has thick acquisitions, re-acquired as one of them
     (`thick_slices`, at a random phase, with the noise the averaging removed); else unchanged. Draws from
     `rng` only when the case is fine and there are acquisitions to simulate, so a dataset without them keeps
-    every sample's random stream."""
+    every sample's random stream. With `channel`, the last channel is the acquisition channel
+    (`plane_distance`): it is not re-acquired but set to the simulated slabs' `simulated_distance`."""
     if not acquisitions or not is_fine(ratio):
         return image
     if rng.random() >= P_SIMULATE:
         return image
     axis, thickness = acquisitions[int(rng.integers(len(acquisitions)))]
-    return thick_slices(image, axis, thickness, float(rng.uniform(0, thickness)), rng)
+    phase = float(rng.uniform(0, thickness))
+    if not channel:
+        return thick_slices(image, axis, thickness, phase, rng)
+    out = np.empty(image.shape, np.float32)
+    out[:-1] = thick_slices(image[:-1], axis, thickness, phase, rng)
+    out[-1] = simulated_distance(image.shape[1:], axis, thickness, phase)
+    return out
+
+
+def plane_distance(source: Sequence[int], planned: Sequence[int], ratio: Sequence[float]) -> np.ndarray:
+    """The acquisition channel of a case resampled from `source` to `planned` voxels (spatial shapes), whose
+    own voxels span `ratio` planned voxels: per planned voxel, its distance to the nearest measured plane
+    along a thick axis (ratio >= THICK), in units of half the slice spacing: 0 on a measured plane, 1 halfway
+    between two; 0 everywhere for a fine case. The planned voxel j of an axis of `n` planes resampled from `a`
+    sits at source coordinate (j + 0.5) a / n - 0.5 (`data.geometry`'s resampling), kept inside the volume.
+
+    Returns:
+        (X, Y, Z) float32 (the largest of the thick axes' distances, for a case thick along several).
+    """
+    out = np.zeros(tuple(int(n) for n in planned), np.float32)
+    for axis, (a, n, r) in enumerate(zip(source, planned, ratio)):
+        if r < THICK:
+            continue
+        x = np.clip((np.arange(n, dtype=np.float64) + 0.5) * a / n - 0.5, 0, a - 1)
+        d = (2 * np.abs(x - np.round(x))).astype(np.float32)
+        np.maximum(out, d.reshape([-1 if i == axis else 1 for i in range(3)]), out=out)
+    return out
+
+
+def simulated_distance(shape: Sequence[int], axis: int, thickness: float, phase: float) -> np.ndarray:
+    """`plane_distance` of a patch of `shape` re-acquired by `thick_slices(..., axis, thickness, phase)`: the
+    distance of each plane to the nearest slab centre, over half the slab thickness. (X, Y, Z) float32."""
+    at = np.arange(int(shape[axis]), dtype=np.float64) - (phase - thickness / 2 - 0.5)  # from a slab centre
+    m = np.mod(at, thickness)
+    d = (2 * np.minimum(m, thickness - m) / thickness).astype(np.float32)
+    return np.ascontiguousarray(
+        np.broadcast_to(d.reshape([-1 if i == axis else 1 for i in range(3)]), tuple(int(s) for s in shape))
+    )

@@ -98,7 +98,7 @@ def _low_resolution(channel: np.ndarray, zoom: float) -> np.ndarray:
 
 
 def augment(
-    image: np.ndarray, label: np.ndarray, rng: np.random.Generator, level: str = "basic"
+    image: np.ndarray, label: np.ndarray, rng: np.random.Generator, level: str = "basic", fixed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """Random augmentation of one patch (after `spatial_transform`, if any); the label follows every spatial
     change.
@@ -108,12 +108,15 @@ def augment(
         label: (X, Y, Z) uint8.
         rng: the generator of this sample; the result depends on nothing else.
         level: `basic` or `nnunet` (see the module's description).
+        fixed: the last `fixed` channels are not intensities (the acquisition channel, `data.acquisitions`):
+            they are mirrored with the rest and never rescaled, shifted, blurred or noised.
 
     Returns:
         augmented contiguous copies of image and label.
     """
-    image = np.array(image, dtype=np.float32)  # writable copies: the patch may view a read-only memory map
+    whole = np.array(image, dtype=np.float32)  # writable copies: the patch may view a read-only memory map
     label = np.array(label, dtype=np.uint8)
+    image = whole[: whole.shape[0] - fixed]  # a view: the intensity changes below write into `whole`
     full = level == "nnunet"
     if full and rng.random() < P_NOISE:
         image += rng.normal(0.0, math.sqrt(rng.uniform(*NOISE_VARIANCE)), image.shape).astype(np.float32)
@@ -144,6 +147,6 @@ def augment(
             image[c] = gamma(image[c], g)
     for axis in range(3):
         if rng.random() < P_FLIP:
-            image = np.flip(image, axis + 1)
+            whole = np.flip(whole, axis + 1)
             label = np.flip(label, axis)
-    return np.ascontiguousarray(image), np.ascontiguousarray(label)
+    return np.ascontiguousarray(whole), np.ascontiguousarray(label)

@@ -29,7 +29,8 @@ from data.plan import Fingerprint, Plan, PlanRequest, fingerprint_arrays
 from data.preprocess import preprocess
 from unet3d.files import atomic_write, atomic_write_text
 
-CACHE_VERSION = 4  # 4: fingerprints measure the shape before the crop (the masked z-score's rule)
+CACHE_VERSION = 5  # 4: fingerprints measure the shape before the crop (the masked z-score's rule); 5: and the
+# labelled voxels the crop removes
 
 
 def _sources(case: Case) -> list:

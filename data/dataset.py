@@ -34,6 +34,8 @@ class PatchDataset(Dataset):
         augmentation: `basic` or `nnunet` (`data.augment`).
         simulate_thick_slices: re-acquire some patches of the fine cases as the thick-slice cases among
             `cases` were acquired (`data.acquisitions`), when there are both; nothing changes otherwise.
+        acquisition_channel: the cases' last channel is the plan's acquisition channel
+            (`data.acquisitions.plane_distance`): simulated thick slices set it, augmentation only moves it.
 
     Items are addressed by (epoch, index) as `EpochSampler` yields them (a bare index means epoch 0)
     and are (image (C, *patch_size) float32, label (*patch_size) uint8) tensors.
@@ -48,6 +50,7 @@ class PatchDataset(Dataset):
         seed: int = 0,
         augmentation: str = "basic",
         simulate_thick_slices: bool = True,
+        acquisition_channel: bool = False,
     ) -> None:
         if not cases:
             raise ValueError("PatchDataset needs at least one case")
@@ -67,6 +70,7 @@ class PatchDataset(Dataset):
             for c in self.cases
         ]
         self.acquisitions = thick_acquisitions(self.ratios) if simulate_thick_slices else ()
+        self.acquisition_channel = acquisition_channel
 
     def __len__(self) -> int:
         return self.samples_per_epoch
@@ -82,8 +86,9 @@ class PatchDataset(Dataset):
         case_idx, force_fg, rng = self.plan(epoch, index)
         matrix = spatial_transform(rng, self.patch_size) if self.augmentation == "nnunet" else None
         image, label = sample_patch(self.cases[case_idx], self.patch_size, rng, force_fg, matrix)
-        image = simulate(image, self.ratios[case_idx], self.acquisitions, rng)
-        image, label = augment(image, label, rng, self.augmentation)
+        extra = int(self.acquisition_channel)
+        image = simulate(image, self.ratios[case_idx], self.acquisitions, rng, channel=self.acquisition_channel)
+        image, label = augment(image, label, rng, self.augmentation, fixed=extra)
         return torch.from_numpy(image), torch.from_numpy(label)
 
 

@@ -148,11 +148,12 @@ def _resize(volume: torch.Tensor, shape: Sequence[int], axis: int | None) -> tor
     return (planes.index_select(1, lo) * (1 - w) + planes.index_select(1, hi) * w).movedim(1, axis + 1)
 
 
-def resample_image(image: np.ndarray, shape: Sequence[int], axis: int | None) -> np.ndarray:
-    """(C, X, Y, Z) float32 -> (C, *shape) float32, one channel at a time."""
-    if tuple(image.shape[1:]) == tuple(shape):
+def resample_image(image: np.ndarray, shape: Sequence[int], axis: int | None, extra: int = 0) -> np.ndarray:
+    """(C, X, Y, Z) float32 -> (C + extra, *shape) float32, one channel at a time; the `extra` channels last
+    are left for the caller to fill (one array: no copy to append them)."""
+    if tuple(image.shape[1:]) == tuple(shape) and not extra:
         return np.ascontiguousarray(image, dtype=np.float32)
-    out = np.empty((image.shape[0], *shape), np.float32)
+    out = np.empty((image.shape[0] + extra, *shape), np.float32)
     for c in range(image.shape[0]):
         channel = torch.from_numpy(np.ascontiguousarray(image[c], dtype=np.float32))[None]
         out[c] = _resize(channel, shape, axis)[0].numpy()

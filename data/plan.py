@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from data.acquisitions import THICK, voxel_ratios
 from data.geometry import (
     ANISOTROPY,
     IDENTITY_ORNT,
@@ -37,6 +38,7 @@ PLAN_VERSION = 1
 FOREGROUND_SAMPLES = 10_000  # CT foreground intensities sampled per case for the dataset statistics
 ORIENTATIONS = ("RAS", "none")
 CROPS = ("nonzero", "none")
+ACQUISITION_CHANNELS = ("auto", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +50,7 @@ class Fingerprint:
     shape: tuple[int, int, int]  # spatial shape after reorientation and the crop
     foreground: dict[int, list[float]] = field(default_factory=dict)  # CT channel -> foreground intensity samples
     full_shape: tuple[int, int, int] | None = None  # spatial shape before the crop (None: not measured)
+    cropped_labels: int = 0  # labelled voxels outside the crop's box, which the crop takes away
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +59,7 @@ class Fingerprint:
             "shape": list(self.shape),
             "foreground": {str(c): v for c, v in self.foreground.items()},
             "full_shape": list(self.full_shape) if self.full_shape is not None else None,
+            "cropped_labels": self.cropped_labels,
         }
 
     @classmethod
@@ -63,7 +67,12 @@ class Fingerprint:
         foreground = {int(c): list(v) for c, v in d["foreground"].items()}
         full = tuple(d["full_shape"]) if d.get("full_shape") is not None else None
         return cls(
-            name=d["name"], spacing=tuple(d["spacing"]), shape=tuple(d["shape"]), foreground=foreground, full_shape=full
+            name=d["name"],
+            spacing=tuple(d["spacing"]),
+            shape=tuple(d["shape"]),
+            foreground=foreground,
+            full_shape=full,
+            cropped_labels=int(d.get("cropped_labels", 0)),
         )
 
     @property
@@ -84,6 +93,7 @@ class PlanRequest:
     max_levels: int
     patch_size: tuple[int, int, int] | None = None  # given with --patch-size
     features: tuple[int, ...] | None = None  # given with --features (their count fixes the levels)
+    acquisition_channel: str = "off"  # auto: an input channel of plane distances when some case is thick-slice
 
 
 def fingerprint_arrays(
@@ -103,6 +113,8 @@ def fingerprint_arrays(
     rng = np.random.default_rng(int(hashlib.sha1(name.encode()).hexdigest()[:8], 16))
     foreground = {}
     where = label > 0
+    labelled = reorient(where, ornt)
+    inside = int(np.count_nonzero(labelled[tuple(slice(lo, hi) for lo, hi in box)]))
     for c, modality in enumerate(modalities):
         if modality.upper() == "CT" and where.any():
             values = np.asarray(image[c][reorient(where, ornt)], dtype=np.float64)  # the foreground only
@@ -114,6 +126,7 @@ def fingerprint_arrays(
         shape=tuple(hi - lo for lo, hi in box),
         foreground=foreground,
         full_shape=tuple(int(s) for s in image.shape[1:]),
+        cropped_labels=int(np.count_nonzero(labelled)) - inside,
     )
 
 
@@ -153,11 +166,19 @@ class Plan:
     strides: tuple[tuple[int, int, int], ...]
     num_cases: int = 0
     version: int = PLAN_VERSION
+    # the network gets one more input channel, last: each planned voxel's distance to its case's nearest
+    # measured plane along a thick axis (`data.acquisitions.plane_distance`); plans without the key: none
+    acquisition_channel: bool = False
+
+    @property
+    def extra_channels(self) -> int:
+        """Input channels the plan adds to the images' own (the acquisition channel)."""
+        return int(self.acquisition_channel)
 
     def model_args(self, in_channels: int, num_classes: int) -> dict[str, Any]:
-        """UNet3D's arguments for this plan."""
+        """UNet3D's arguments for this plan, for images of `in_channels` channels."""
         return {
-            "in_channels": in_channels,
+            "in_channels": in_channels + self.extra_channels,
             "num_classes": num_classes,
             "features": list(self.features),
             "kernels": [list(k) for k in self.kernels],
@@ -172,6 +193,7 @@ class Plan:
             "spacing": list(self.spacing) if self.spacing else None,
             "crop": self.crop,
             "normalization": [dict(n) for n in self.normalization],
+            **({"acquisition_channel": True} if self.acquisition_channel else {}),  # older plans' keys unchanged
         }
 
     def digest(self) -> str:
@@ -209,6 +231,7 @@ class Plan:
             strides=tuple(tuple(s) for s in net["strides"]),
             num_cases=d.get("num_cases", 0),
             version=d.get("version", PLAN_VERSION),
+            acquisition_channel=bool(d.get("acquisition_channel", False)),
         )
 
     def write(self, path: str | Path) -> None:
@@ -224,6 +247,7 @@ class Plan:
             f"normalisation {norms}; median shape {'x'.join(map(str, self.median_shape))}, patch "
             f"{'x'.join(map(str, self.patch_size))}, {len(self.features)} levels of {list(self.features)} channels, "
             f"kernels {kernels}, strides {levels}"
+            + ("; input channel of distances to the measured planes" if self.acquisition_channel else "")
         )
 
 
@@ -302,6 +326,7 @@ def make_plan(fingerprints: Sequence[Fingerprint], modalities: Sequence[str], re
     median_shape = tuple(int(v) for v in np.median(np.asarray(planned_shapes), axis=0))
     median_spacing = spacing or tuple(float(v) for v in np.median(np.asarray(spacings), axis=0))
     patch, features, kernels, strides = plan_network(median_shape, median_spacing, request)
+    thick = spacing is not None and any(max(voxel_ratios(sp, spacing)) >= THICK for sp in spacings)
     return Plan(
         orientation=request.orientation,
         spacing=spacing,
@@ -315,6 +340,7 @@ def make_plan(fingerprints: Sequence[Fingerprint], modalities: Sequence[str], re
         kernels=tuple(kernels),
         strides=tuple(strides),
         num_cases=len(fingerprints),
+        acquisition_channel=request.acquisition_channel == "auto" and thick,
     )
 
 
@@ -359,6 +385,20 @@ def _patch_for(median_shape: Sequence[int], spacing: Sequence[float], budget: in
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if np.prod(np.minimum(extent * mid, shape)) <= budget else (lo, mid)
     return tuple(max(1, int(round(v))) for v in np.minimum(extent * lo, shape))
+
+
+def crop_losses(fingerprints: Sequence[Fingerprint]) -> str | None:
+    """A warning naming the cases whose labels reach outside the image's non-zero box (mask and image
+    disagree, e.g. a segmentation beyond the skull-stripping), which the crop removes; None when none do."""
+    lossy = [f for f in fingerprints if f.cropped_labels > 0]
+    if not lossy:
+        return None
+    named = ", ".join(f"{f.name} ({f.cropped_labels} voxels)" for f in lossy[:10])
+    more = f" and {len(lossy) - 10} more" if len(lossy) > 10 else ""
+    return (
+        f"{len(lossy)} training case(s) have labelled voxels outside the image's non-zero box, which the crop "
+        f"removes from training: {named}{more} (--crop none keeps them)"
+    )
 
 
 def plan_differences(saved: Plan, fresh: Plan) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 from scipy import ndimage
 
+from data.acquisitions import plane_distance, voxel_ratios
 from data.geometry import (
     IDENTITY_ORNT,
     Geometry,
@@ -28,7 +29,7 @@ from data.plan import Plan
 
 @dataclass(frozen=True)
 class Planned:
-    image: np.ndarray  # (C, *planned_shape) float32, normalised
+    image: np.ndarray  # (C, *planned_shape) float32, normalised; with the plan's acquisition channel last
     label: np.ndarray | None  # (*planned_shape) uint8, when a label was given
     geometry: Geometry
 
@@ -80,7 +81,8 @@ def preprocess(
 
     Reoriented by permutation and flips; cropped to the image's non-zero box; normalised; resampled to the
     target spacing (linear; a thick axis on its own, also linearly, which needs less memory; labels through each class's
-    interpolated mask, so no class is invented). `num_classes` is needed with a label.
+    interpolated mask, so no class is invented). `num_classes` is needed with a label. Where the plan has an
+    acquisition channel, it is appended last (`data.acquisitions.plane_distance`), after normalisation.
     """
     ornt = canonical_ornt(affine) if plan.orientation == "RAS" else IDENTITY_ORNT
     native_shape = tuple(int(s) for s in image.shape[1:])
@@ -102,7 +104,10 @@ def preprocess(
         planned_shape=tuple(int(s) for s in shape),
         separate_axis=axis,
     )
-    image = resample_image(image, shape, axis)
+    cropped = image.shape[1:]
+    image = resample_image(image, shape, axis, plan.extra_channels)
+    if plan.acquisition_channel:
+        image[-1] = plane_distance(cropped, shape, voxel_ratios(spacing, plan.spacing))
     if label is not None:
         label = resample_label(label, shape, axis, num_classes)
     return Planned(image, label, geometry)

@@ -7,7 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from data.acquisitions import P_SIMULATE, noise_sd, simulate, thick_acquisitions, thick_slices, voxel_ratios
+from data.acquisitions import (
+    P_SIMULATE,
+    noise_sd,
+    plane_distance,
+    simulate,
+    simulated_distance,
+    thick_acquisitions,
+    thick_slices,
+    voxel_ratios,
+)
+from data.augment import augment
 from data.dataset import PatchDataset
 from data.geometry import Geometry, _resize
 from data.patches import PreparedCase, foreground_coords
@@ -111,8 +121,8 @@ def test_the_patch_dataset_re_acquires_fine_cases_only_and_leaves_a_one_acquisit
     assert PatchDataset([fine, fine], (8, 8, 8), samples_per_epoch=8).acquisitions == ()
     changed = {"fine": [], "thick": []}
 
-    def spy(patch, ratio, acquisitions, generator):
-        out = simulate(patch, ratio, acquisitions, generator)
+    def spy(patch, ratio, acquisitions, generator, **kw):
+        out = simulate(patch, ratio, acquisitions, generator, **kw)
         changed["fine" if ratio[2] < 2 else "thick"].append(out is not patch)
         return out
 
@@ -122,3 +132,71 @@ def test_the_patch_dataset_re_acquires_fine_cases_only_and_leaves_a_one_acquisit
     assert len(changed["fine"]) == len(changed["thick"]) == 48
     assert not any(changed["thick"]), "a thick case is not re-acquired"
     assert 0.15 < np.mean(changed["fine"]) < 0.55
+
+
+def _distance_in_mm(source: int, planned: int, spacing: float) -> np.ndarray:
+    """Each planned plane's distance to the nearest measured one, over half the spacing, worked out in
+    millimetres: `source` planes `spacing` apart resampled to `planned` planes over the same extent."""
+    extent = source * spacing
+    centres = (np.arange(planned) + 0.5) * extent / planned
+    measured = (np.arange(source) + 0.5) * spacing
+    centres = np.clip(centres, measured[0], measured[-1])  # beyond the outermost plane: that plane's value
+    return np.abs(centres[:, None] - measured[None, :]).min(1) / (spacing / 2)
+
+
+@pytest.mark.parametrize("source, planned, spacing", [(20, 60, 3.0), (19, 63, 3.3), (11, 50, 4.5)])
+def test_the_acquisition_channel_is_each_planes_distance_to_the_nearest_measured_one(source, planned, spacing):
+    ratio = (planned / source, 1.0, 0.9)  # planned voxels per own voxel, thick axis first; the others fine
+    channel = plane_distance((source, 40, 30), (planned, 40, 33), ratio)
+    assert channel.shape == (planned, 40, 33) and channel.dtype == np.float32
+    np.testing.assert_allclose(channel[:, 7, 5], _distance_in_mm(source, planned, spacing), atol=1e-5)
+    assert (channel == channel[:, :1, :1]).all(), "constant across the measured planes"
+    assert channel.min() == 0 and channel.max() > 0.5
+    assert not plane_distance((20, 40, 30), (22, 40, 33), (1.8, 1.0, 0.9)).any(), "a fine case: 0 everywhere"
+
+
+def test_a_simulated_thick_patch_gets_the_distances_of_its_own_slabs():
+    rng = np.random.default_rng(3)
+    image = rng.normal(size=(1, 5, 4, 13)).astype(np.float32)
+    phase, thickness = 2.0, 3.0  # slabs centred on planes 0, 3, 6, 9, 12
+    out = thick_slices(image, 2, thickness, phase)
+    distance = simulated_distance(image.shape[1:], 2, thickness, phase)
+    np.testing.assert_allclose(distance[0, 0], [0, 2 / 3, 2 / 3] * 4 + [0], atol=1e-6)
+    centres = np.flatnonzero(distance[0, 0] == 0)
+    for c in centres[1:-1]:  # a measured plane holds its slab's mean
+        np.testing.assert_allclose(out[0, ..., c], image[0, ..., c - 1 : c + 2].mean(-1), atol=1e-5)
+    between = simulated_distance((2, 2, 8), 2, 4.0, 0.0)[0, 0]  # centres at -2.5, 1.5, 5.5: no plane on one
+    np.testing.assert_allclose(between, [0.75, 0.25, 0.25, 0.75] * 2, atol=1e-6)
+
+
+def test_with_an_acquisition_channel_simulation_sets_it_and_augmentation_only_mirrors_it():
+    rng = np.random.default_rng(0)
+    data = rng.normal(size=(2, 8, 8, 9)).astype(np.float32)
+    with_channel = np.concatenate([data, np.zeros((1, 8, 8, 9), np.float32)])
+    acquisitions = ((2, 3.0),)
+    simulated = 0
+    for s in range(40):
+        a = simulate(data, np.ones(3), acquisitions, np.random.default_rng([7, s]))
+        b = simulate(with_channel, np.ones(3), acquisitions, np.random.default_rng([7, s]), channel=True)
+        np.testing.assert_array_equal(b[:-1], a, "the images' own channels as without the channel")
+        if a is not data:
+            simulated += 1
+            replay = np.random.default_rng([7, s])  # simulate's draws: whether, which acquisition, the phase
+            replay.random(), replay.integers(1)
+            expected = simulated_distance((8, 8, 9), 2, 3.0, float(replay.uniform(0, 3.0)))
+            np.testing.assert_array_equal(b[-1], expected)
+        else:
+            assert not b[-1].any()
+    assert simulated > 5
+    label = (data[0] > 0).astype(np.uint8)
+    marker = np.arange(8 * 8 * 9, dtype=np.float32).reshape(1, 8, 8, 9)  # tells every voxel where it went
+    for s in range(30):  # nnU-Net's augmentation: noise, blur, contrast, low resolution, gamma, flips
+        plain, plain_label = augment(data, label, np.random.default_rng(s), "nnunet")
+        both, both_label = augment(np.concatenate([data, marker]), label, np.random.default_rng(s), "nnunet", fixed=1)
+        np.testing.assert_allclose(both[:-1], plain, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(both_label, plain_label)
+        assert sorted(both[-1].ravel()) == sorted(marker.ravel()), "the channel's values are only moved"
+        corner = int(both[-1][0, 0, 0])  # the voxel now in the corner tells which axes were mirrored
+        flips = [a for a, n in enumerate((8 * 9, 9, 1)) if (corner // n) % (8, 8, 9)[a] != 0]
+        expected = np.flip(marker[0], flips) if flips else marker[0]
+        np.testing.assert_array_equal(both[-1], expected)

@@ -285,6 +285,45 @@ def test_a_plan_for_thick_slices_pools_in_plane_first_and_has_dataset_ct_statist
     assert fingerprint == cases[0]
 
 
+def test_thick_slice_cases_among_fine_ones_get_an_acquisition_channel():
+    """Mixed protocols planned at 1 x 0.9 x 1 mm: the thick-slice scans are resampled 3 to 3.3 times finer
+    along their thick axis, so the plan adds an input channel (each planned voxel's distance to its scan's
+    nearest measured plane), which preprocessing appends after the normalised images and leaves them as they
+    were; a dataset of one thick protocol, planned at its own spacing, and `off` get none, and their plans'
+    preprocessing (the cache key) is what it was before the channel existed."""
+    from data.acquisitions import plane_distance, voxel_ratios
+
+    request = PlanRequest(patch_voxels=32**3, widths=(4, 16), max_levels=3, acquisition_channel="auto")
+    body = phantom()
+    scans = {a.name: acquire(body, a, FOV) for a in (RAS_1MM, LPS_3MM, SAGITTAL)}
+    prints = [fingerprint_arrays(n, im[None], aff, lb, ["MRI"], request) for n, (im, lb, aff) in scans.items()]
+    made = make_plan(prints, ["MRI"], request)
+    assert made.acquisition_channel and made.extra_channels == 1
+    assert made.model_args(1, 3)["in_channels"] == 2
+    assert made.preprocessing()["acquisition_channel"] is True and "measured planes" in made.describe()
+    assert Plan.from_dict(made.to_dict()) == made
+    off = make_plan(prints, ["MRI"], PlanRequest(**{**request.__dict__, "acquisition_channel": "off"}))
+    assert not off.acquisition_channel and off.model_args(1, 3)["in_channels"] == 1
+    assert "acquisition_channel" not in off.preprocessing(), "plans without the channel keep their cache keys"
+    old = {k: v for k, v in made.to_dict().items() if k != "acquisition_channel"}  # a plan from before it
+    assert Plan.from_dict(old) == off
+    thick_only = [fingerprint_arrays(f"t{i}", im[None], aff, lb, ["MRI"], request) for i, (im, lb, aff) in
+                  enumerate([scans[LPS_3MM.name]] * 3)]  # fmt: skip
+    assert not make_plan(thick_only, ["MRI"], request).acquisition_channel, "planned at its own 3 mm"
+
+    for name, (image, label, affine) in scans.items():
+        with_channel = preprocess(image[None], affine, made, label, 3)
+        without = preprocess(image[None], affine, off, label, 3)
+        assert with_channel.image.shape == (2, *without.image.shape[1:])
+        np.testing.assert_array_equal(with_channel.image[:1], without.image)
+        np.testing.assert_array_equal(with_channel.label, without.label)
+        g = with_channel.geometry
+        ratio = voxel_ratios(g.canonical_spacing, made.spacing)
+        expected = plane_distance(g.cropped_shape, g.planned_shape, ratio)
+        np.testing.assert_array_equal(with_channel.image[1], expected)
+        assert with_channel.image[1].any() == (name != RAS_1MM.name), name
+
+
 def _brain(margin: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """A skull-stripped MR-like case: an ellipsoid of tissue (with a dark ventricle, exactly 0 inside it) in
     a box of exact zeros, `margin` voxels of zero beyond the tissue's bounding box on every side; (image
@@ -391,3 +430,34 @@ def test_a_single_protocol_dataset_is_planned_for_its_thick_slices(tmp_path, cap
         np.testing.assert_allclose(nii.header.get_zooms()[:3], (0.8, 0.8, 3.0), rtol=1e-6)
     assert "spacing 0.8 x 0.8 x 3 mm (median, axis 2 at its 10th percentile" in out, out
     assert "kernels 3x3x1 " in out and "strides 2x2x1 " in out, out
+
+
+def test_labels_the_crop_would_remove_are_named_in_the_pre_flight(tiny_dataset, tmp_path, capsys):
+    """A case whose label reaches beyond the image's non-zero box (a mask drawn past the skull-stripping): the
+    crop takes those voxels away from training, which the pre-flight says, with the case and the count; with
+    `--crop none` nothing is removed and nothing is said. The job still starts (exit 0): it is the data's
+    owner's call."""
+    import shutil
+
+    import nibabel as nib
+
+    from unet3d.training.config import parse_args
+    from unet3d.training.preflight import preflight
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    image_path, label_path = data / "imagesTr" / "synth_001.nii.gz", data / "labelsTr" / "synth_001.nii.gz"
+    img, lbl = nib.load(image_path), nib.load(label_path)
+    image, label = np.asarray(img.dataobj, dtype=np.float32).copy(), np.asarray(lbl.dataobj).copy()
+    image[:, :, :4] = 0  # the first 4 planes zeroed: outside the non-zero box
+    label[10:14, 10:14, :4] = 1  # 64 labelled voxels there
+    nib.save(nib.Nifti1Image(image, img.affine), image_path)
+    nib.save(nib.Nifti1Image(label.astype(np.uint8), lbl.affine), label_path)
+    lost = int(np.count_nonzero(label[:, :, :4]))
+    args = ["--data-dir", str(data), "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path / "run")]
+    assert preflight(parse_args([*args, "--prepare-only"])) == 0
+    out = capsys.readouterr().out
+    assert f"synth_001 ({lost} voxels)" in out and "outside the image's non-zero box" in out, out
+    assert "1 training case(s)" in out, "only the damaged case"
+    assert preflight(parse_args([*args, "--prepare-only", "--crop", "none"])) == 0
+    assert "non-zero box" not in capsys.readouterr().out

@@ -122,6 +122,7 @@ def test_mixed_acquisitions_train_and_predict_on_each_scans_own_grid(tmp_path):
     out = tmp_path / "run"
     small = ["--synthetic-cases", "6", "--synthetic-size", "32", "--val-fraction", "0.34"]
     args = ["--out-dir", str(out), "--synthetic-dir", str(tmp_path / "syn"), "--cache-dir", str(tmp_path / "cache")]
+    args += ["--acquisition-channel", "auto"]  # the experiment's channel (off by default), walked end to end
     result = run(["bash", "launch.sh", "cpu:2", *args, *SHORT, *small, "--synthetic-geometry", "mixed"], timeout=300)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     data = tmp_path / "syn" / folder_name(6, 32, 0, "mixed")
@@ -146,3 +147,10 @@ def test_mixed_acquisitions_train_and_predict_on_each_scans_own_grid(tmp_path):
         source, prediction = nib.load(image), nib.load(out / "test" / "predictions" / image.name)
         assert prediction.shape == source.shape
         np.testing.assert_allclose(prediction.affine, source.affine, atol=1e-5)
+    # the thick-slice scans among fine ones give the network the acquisition channel: one file per case is
+    # still all a folder of scans needs (the channel is computed, not read)
+    assert json.loads((out / "plan.json").read_text())["acquisition_channel"] is True
+    assert best["model_args"]["in_channels"] == 2 and "distances to the measured planes" in result.stdout
+    assert evaluate.main([*argv[:2], "--images", str(data / "imagesTs"), "--out-dir", str(out / "folder")]) == 0
+    for image in sorted((data / "imagesTs").glob("*.nii.gz")):
+        assert nib.load(out / "folder" / image.name).shape == nib.load(image).shape

@@ -60,6 +60,12 @@ def load_members(paths: Sequence[str], device: torch.device, overrides: dict[str
     return members
 
 
+def image_channels(member: Member) -> int:
+    """The channels of the images the member reads: its model's input, less the plan's acquisition channel."""
+    plan = member.checkpoint.get("plan")
+    return member.model.in_channels - (Plan.from_dict(plan).extra_channels if plan else 0)
+
+
 def member_plan(member: Member, spec: DatasetSpec, note) -> Plan:
     """The plan the member was trained with; checkpoints from before plans, and bare state dicts, use their
     cases as stored (plan "none"), as they were trained, which `note` is told."""
@@ -78,7 +84,7 @@ class Predictor:
                  device: torch.device, rules: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.members, self.plan, self.class_names = members, plan, list(class_names)
         self.options, self.device, self.rules = options, device, rules or {}
-        self.in_channels = members[0].model.in_channels
+        self.in_channels = members[0].model.in_channels - plan.extra_channels  # the images' own channels
 
     def settings(self, member: Member, planned_shape: Sequence[int]) -> InferenceSettings:
         o = self.options

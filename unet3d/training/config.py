@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from data.augment import AUGMENTATIONS
-from data.plan import CROPS, ORIENTATIONS, Plan, PlanRequest
+from data.plan import ACQUISITION_CHANNELS, CROPS, ORIENTATIONS, Plan, PlanRequest
 from data.prepare import DataConfig
 from data.synthetic import GEOMETRIES
 from unet3d import precision
@@ -30,6 +30,7 @@ CHOICES = {
     "deep_supervision": ("auto", "on", "off"),
     "augmentation": ("auto", *AUGMENTATIONS),
     "simulate_thick_slices": ("auto", "off"),
+    "acquisition_channel": ACQUISITION_CHANNELS,
 }
 
 # Defaults by device type. GPUs get nnU-Net's 3d_fullres width and a large patch; the CPU defaults are
@@ -162,6 +163,12 @@ class TrainConfig:
         "auto: where the training cases mix thick-slice and fine acquisitions, a third of the fine cases' patches "
         "are re-acquired as the thick ones (data.acquisitions), labels unchanged; off: never",
     )
+    acquisition_channel: str = _f(
+        "off",
+        "auto: where some training case is thick-slice at the planned spacing, the network gets one more input "
+        "channel, each voxel's distance to its scan's nearest measured plane (data.acquisitions); off (the "
+        "default: an experiment that has not closed the geometry gap): never",
+    )
     fg_fraction: float = _f(1 / 3, "share of patches centred on a foreground voxel")
     val_every: int = _f(1, "validate every this many epochs (and after the last)")
     val_overlap: float = _f(0.5, "sliding-window overlap during validation")
@@ -285,6 +292,7 @@ def plan_request(cfg: TrainConfig, device_type: str) -> PlanRequest:
         max_levels=len(defaults["features"]),
         patch_size=cfg.patch_size,
         features=cfg.features,
+        acquisition_channel=cfg.acquisition_channel,
     )
 
 

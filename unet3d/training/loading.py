@@ -12,7 +12,7 @@ from data.cache import open_case
 from data.dataset import EpochSampler, PatchDataset, ignore_stop_signals
 from data.patches import PreparedCase
 from data.plan import Plan, PlanRequest, plan_differences
-from data.prepare import DatasetError, RunData, build, inspect, plan_data, resolve_data, unique
+from data.prepare import DatasetError, RunData, build, crop_warning, inspect, plan_data, resolve_data, unique
 from unet3d.training import dist
 from unet3d.training.checkpointing import saved_plan
 from unet3d.training.config import TrainConfig, plan_request
@@ -42,6 +42,9 @@ def prepare_data(cfg: TrainConfig, info: dist.DistInfo, checkpoint: dict[str, An
 def choose_plan(run: RunData, request: PlanRequest, checkpoint: dict[str, Any] | None) -> Plan:
     """A new run's plan from its data; a resumed run's from its checkpoint, saying where the data no longer
     fits it (the run continues with the checkpoint's plan)."""
+    warning = crop_warning(run, request)
+    if warning:
+        get_logger().warning(f"warning: {warning}")
     saved = saved_plan(checkpoint, run.spec) if checkpoint is not None else None
     if saved is None:
         return plan_data(run, request)
@@ -67,8 +70,9 @@ def open_cases(run: RunData, info: dist.DistInfo) -> tuple[list[PreparedCase], l
     return train, [open_case(c, run.cache) for c in shard(run.val, info.rank, info.world_size)]
 
 
-def make_loader(rt: Runtime, cases: Sequence[PreparedCase]) -> DataLoader:
-    """This rank's loader of augmented patches; its EpochSampler must be told each epoch (`set_epoch`)."""
+def make_loader(rt: Runtime, cases: Sequence[PreparedCase], acquisition_channel: bool = False) -> DataLoader:
+    """This rank's loader of augmented patches; its EpochSampler must be told each epoch (`set_epoch`).
+    `acquisition_channel`: the cases carry the plan's acquisition channel last (`Plan.acquisition_channel`)."""
     cfg = rt.cfg
     patches = PatchDataset(
         cases,
@@ -78,6 +82,7 @@ def make_loader(rt: Runtime, cases: Sequence[PreparedCase]) -> DataLoader:
         cfg.seed,
         cfg.augmentation,
         simulate_thick_slices=cfg.simulate_thick_slices == "auto",
+        acquisition_channel=acquisition_channel,
     )
     dataset = slow_data(patches, rt.dist.rank)
     sampler = EpochSampler(dataset, num_replicas=rt.world_size, rank=rt.dist.rank, shuffle=True, seed=cfg.seed)
