@@ -117,7 +117,7 @@ def fingerprint_arrays(
     inside = int(np.count_nonzero(labelled[tuple(slice(lo, hi) for lo, hi in box)]))
     for c, modality in enumerate(modalities):
         if modality.upper() == "CT" and where.any():
-            values = np.asarray(image[c][reorient(where, ornt)], dtype=np.float64)  # the foreground only
+            values = np.asarray(image[c][labelled], dtype=np.float64)  # the foreground only
             take = rng.choice(len(values), min(len(values), FOREGROUND_SAMPLES), replace=False)
             foreground[c] = [float(v) for v in values[take]]
     return Fingerprint(

@@ -23,7 +23,7 @@ import torch
 from data.cache import build_cache, fingerprint_cases, load_fingerprints
 from data.check import missing_files, split_problems
 from data.msd import Case, DatasetSpec, load_dataset_json, run_split
-from data.plan import Plan, PlanRequest, crop_losses, make_plan
+from data.plan import Fingerprint, Plan, PlanRequest, make_plan
 from data.synthetic import folder_name, write_synthetic_dataset
 
 
@@ -120,15 +120,15 @@ def inspect(run: RunData, request: PlanRequest, shard: int = 0, num_shards: int 
     return problems + fingerprint_cases(_present(run), run.spec, request, root, shard, num_shards)
 
 
-def plan_data(run: RunData, request: PlanRequest) -> Plan:
-    """The plan for this run's training cases, from the fingerprints `inspect` left."""
-    found = load_fingerprints(run.spec.training, request, run.cache_root)
+def fingerprints(run: RunData, request: PlanRequest) -> list[Fingerprint]:
+    """The fingerprints `inspect` left for this run's training cases."""
+    return load_fingerprints(run.spec.training, request, run.cache_root)
+
+
+def plan_data(run: RunData, request: PlanRequest, found: list[Fingerprint] | None = None) -> Plan:
+    """The plan for this run's training cases, from their fingerprints (`found`, else read)."""
+    found = fingerprints(run, request) if found is None else found
     return make_plan(found, run.spec.modalities, request)
-
-
-def crop_warning(run: RunData, request: PlanRequest) -> str | None:
-    """`crop_losses` of this run's training cases (their fingerprints were measured with the request's crop)."""
-    return crop_losses(load_fingerprints(run.spec.training, request, run.cache_root))
 
 
 def build(run: RunData, shard: int = 0, num_shards: int = 1) -> list[str]:

@@ -84,7 +84,7 @@ class Predictor:
                  device: torch.device, rules: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.members, self.plan, self.class_names = members, plan, list(class_names)
         self.options, self.device, self.rules = options, device, rules or {}
-        self.in_channels = members[0].model.in_channels - plan.extra_channels  # the images' own channels
+        self.in_channels = image_channels(members[0])  # the images' own channels
 
     def settings(self, member: Member, planned_shape: Sequence[int]) -> InferenceSettings:
         o = self.options

@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader
 from data.cache import open_case
 from data.dataset import EpochSampler, PatchDataset, ignore_stop_signals
 from data.patches import PreparedCase
-from data.plan import Plan, PlanRequest, plan_differences
-from data.prepare import DatasetError, RunData, build, crop_warning, inspect, plan_data, resolve_data, unique
+from data.plan import Plan, PlanRequest, crop_losses, plan_differences
+from data.prepare import DatasetError, RunData, build, fingerprints, inspect, plan_data, resolve_data, unique
 from unet3d.training import dist
 from unet3d.training.checkpointing import saved_plan
 from unet3d.training.config import TrainConfig, plan_request
@@ -42,14 +42,15 @@ def prepare_data(cfg: TrainConfig, info: dist.DistInfo, checkpoint: dict[str, An
 def choose_plan(run: RunData, request: PlanRequest, checkpoint: dict[str, Any] | None) -> Plan:
     """A new run's plan from its data; a resumed run's from its checkpoint, saying where the data no longer
     fits it (the run continues with the checkpoint's plan)."""
-    warning = crop_warning(run, request)
+    found = fingerprints(run, request)  # read once, for the warning and the plan
+    warning = crop_losses(found)
     if warning:
         get_logger().warning(f"warning: {warning}")
     saved = saved_plan(checkpoint, run.spec) if checkpoint is not None else None
     if saved is None:
-        return plan_data(run, request)
+        return plan_data(run, request, found)
     if "plan" in checkpoint:
-        differences = plan_differences(saved, plan_data(run, request))
+        differences = plan_differences(saved, plan_data(run, request, found))
         if differences:
             get_logger().warning(
                 "the data no longer fits the checkpoint's plan (" + "; ".join(differences) + "): continuing with "
