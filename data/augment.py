@@ -57,11 +57,18 @@ def spatial_transform(rng: np.random.Generator, patch_size: tuple[int, ...] = (1
 
 
 def sample_transformed(
-    image: np.ndarray, label: np.ndarray, centre: np.ndarray, patch: np.ndarray, matrix: np.ndarray
+    image: np.ndarray,
+    label: np.ndarray,
+    centre: np.ndarray,
+    patch: np.ndarray,
+    matrix: np.ndarray,
+    share: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The patch of `patch` voxels around `centre` on a grid mapped by `matrix`: image (C, X, Y, Z) linearly,
     label (X, Y, Z) by nearest neighbour, both from the same coordinates; outside the volume 0 (the
-    normalised mean, and background). Only the box the grid touches is read (volumes may be memory maps)."""
+    normalised mean, and background). Only the box the grid touches is read (volumes may be memory maps).
+    With `share` (2, X, Y, Z), the soft label's runner-up and share (`data.patches`) follow the label, and the
+    label returned is (3, *patch)."""
     offsets = np.stack(np.meshgrid(*[np.arange(p) - (p - 1) / 2 for p in patch], indexing="ij"), axis=0)
     coords = np.tensordot(matrix, offsets, axes=1) + centre.reshape(3, 1, 1, 1)  # (3, *patch), volume voxels
     lo = np.maximum(np.floor(coords.reshape(3, -1).min(1)).astype(int) - 1, 0)
@@ -70,7 +77,9 @@ def sample_transformed(
     local = coords - lo.reshape(3, 1, 1, 1)
     region = np.asarray(image[(slice(None),) + box], dtype=np.float32)
     out = np.stack([ndimage.map_coordinates(c, local, order=1, mode="constant", cval=0.0) for c in region])
-    seg = ndimage.map_coordinates(np.asarray(label[box]), local, order=0, mode="constant", cval=0)
+    planes = [label[box]] + ([] if share is None else [share[0][box], share[1][box]])
+    seg = [ndimage.map_coordinates(np.asarray(p), local, order=0, mode="constant", cval=0) for p in planes]
+    seg = seg[0] if share is None else np.stack(seg)
     return out.astype(np.float32), seg.astype(np.uint8)
 
 
@@ -105,7 +114,7 @@ def augment(
 
     Args:
         image: (C, X, Y, Z) float32.
-        label: (X, Y, Z) uint8.
+        label: (X, Y, Z) uint8, or a soft label (3, X, Y, Z) uint8 (`data.patches`), mirrored alike.
         rng: the generator of this sample; the result depends on nothing else.
         level: `basic` or `nnunet` (see the module's description).
         fixed: the last `fixed` channels are not intensities (the acquisition channel, `data.acquisitions`):
@@ -148,5 +157,5 @@ def augment(
     for axis in range(3):
         if rng.random() < P_FLIP:
             whole = np.flip(whole, axis + 1)
-            label = np.flip(label, axis)
+            label = np.flip(label, axis + label.ndim - 3)
     return np.ascontiguousarray(whole), np.ascontiguousarray(label)

@@ -8,7 +8,8 @@ folder, named by its digest), or when the cache format changes.
 
 Under CACHE_ROOT: fingerprints/<orientation>-<crop>/NAME.json (what planning needs of the case), and per plan
 <digest>/NAME_image.npy (C, X, Y, Z) float32, NAME_label.npy (X, Y, Z) uint8, NAME_fg.npy (N, 4) int32 rows of
-(class, x, y, z), NAME_native.npy (the label on the file's own grid, for validation) and NAME.json, written
+(class, x, y, z), NAME_native.npy (the label on the file's own grid, for validation), NAME_share.npy (2, X, Y,
+Z) uint8 (each voxel's runner-up class and its share: the soft targets, `data.patches`) and NAME.json, written
 last, which marks the case complete and holds its geometry.
 """
 
@@ -29,8 +30,8 @@ from data.plan import Fingerprint, Plan, PlanRequest, fingerprint_arrays
 from data.preprocess import preprocess
 from unet3d.files import atomic_write, atomic_write_text
 
-CACHE_VERSION = 5  # 4: fingerprints measure the shape before the crop (the masked z-score's rule); 5: and the
-# labelled voxels the crop removes
+CACHE_VERSION = 6  # 4: fingerprints measure the shape before the crop (the masked z-score's rule); 5: and the
+# labelled voxels the crop removes; 6: NAME_share.npy, the soft targets
 
 
 def _sources(case: Case) -> list:
@@ -93,6 +94,7 @@ def _paths(folder: Path, name: str) -> dict[str, Path]:
         "label": folder / f"{name}_label.npy",
         "fg": folder / f"{name}_fg.npy",
         "native": folder / f"{name}_native.npy",
+        "share": folder / f"{name}_share.npy",
         "meta": folder / f"{name}.json",
     }
 
@@ -134,6 +136,7 @@ def write_case(case: Case, plan: Plan, num_classes: int, folder: str | Path) -> 
     _save_npy(paths["label"], planned.label)
     _save_npy(paths["fg"], np.concatenate(rows) if rows else np.zeros((0, 4), np.int32))
     _save_npy(paths["native"], native)
+    _save_npy(paths["share"], planned.label_share)
     meta = {"stamp": _stamp(case, plan, num_classes), "geometry": planned.geometry.to_dict()}
     atomic_write_text(paths["meta"], json.dumps(meta))
 
@@ -168,4 +171,5 @@ def open_case(case: Case, folder: str | Path) -> PreparedCase:
         coords,
         native_label=np.load(paths["native"], mmap_mode="r"),
         geometry=Geometry.from_dict(meta["geometry"]),
+        label_share=np.load(paths["share"], mmap_mode="r"),
     )

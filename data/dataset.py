@@ -36,9 +36,12 @@ class PatchDataset(Dataset):
             `cases` were acquired (`data.acquisitions`), when there are both; nothing changes otherwise.
         acquisition_channel: the cases' last channel is the plan's acquisition channel
             (`data.acquisitions.plane_distance`): simulated thick slices set it, augmentation only moves it.
+        soft_labels: labels as soft targets (3, *patch_size) uint8 (`data.patches`): a case resampled to a
+            coarser grid is trained on each boundary voxel's share of its two leading classes.
 
     Items are addressed by (epoch, index) as `EpochSampler` yields them (a bare index means epoch 0)
-    and are (image (C, *patch_size) float32, label (*patch_size) uint8) tensors.
+    and are (image (C, *patch_size) float32, label (*patch_size) uint8) tensors, the label (3, *patch_size)
+    with `soft_labels`.
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class PatchDataset(Dataset):
         augmentation: str = "basic",
         simulate_thick_slices: bool = True,
         acquisition_channel: bool = False,
+        soft_labels: bool = False,
     ) -> None:
         if not cases:
             raise ValueError("PatchDataset needs at least one case")
@@ -71,6 +75,7 @@ class PatchDataset(Dataset):
         ]
         self.acquisitions = thick_acquisitions(self.ratios) if simulate_thick_slices else ()
         self.acquisition_channel = acquisition_channel
+        self.soft_labels = soft_labels
 
     def __len__(self) -> int:
         return self.samples_per_epoch
@@ -85,7 +90,7 @@ class PatchDataset(Dataset):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         case_idx, force_fg, rng = self.plan(epoch, index)
         matrix = spatial_transform(rng, self.patch_size) if self.augmentation == "nnunet" else None
-        image, label = sample_patch(self.cases[case_idx], self.patch_size, rng, force_fg, matrix)
+        image, label = sample_patch(self.cases[case_idx], self.patch_size, rng, force_fg, matrix, soft=self.soft_labels)
         extra = int(self.acquisition_channel)
         image = simulate(image, self.ratios[case_idx], self.acquisitions, rng, channel=self.acquisition_channel)
         image, label = augment(image, label, rng, self.augmentation, fixed=extra)

@@ -1,4 +1,10 @@
-"""Drawing random patches from a prepared case, some of them centred on foreground voxels."""
+"""Drawing random patches from a prepared case, some of them centred on foreground voxels.
+
+Soft targets: a patch's label can come as (3, X, Y, Z) uint8, the planned label, the runner-up class and the
+runner-up's share in 255ths (`data.geometry.resample_label_shares`); `unet3d.loss.target_probabilities`
+turns it into class probabilities on the device. Only a case resampled to a coarser grid has shares; for
+the others the last two planes are 0 and the targets are the hard labels.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ class PreparedCase:
     fg_coords: dict[int, np.ndarray]  # class -> (N, 3) int voxel coordinates of that class
     native_label: np.ndarray | None = None  # the label as stored in its file (its own shape and orientation)
     geometry: Geometry | None = None  # how the case came into the planned space (`data.geometry`)
+    label_share: np.ndarray | None = None  # (2, X, Y, Z) uint8: runner-up class and share (the module's doc)
 
 
 def foreground_coords(label: np.ndarray, seed: int = 0) -> dict[int, np.ndarray]:
@@ -41,15 +48,17 @@ def foreground_coords(label: np.ndarray, seed: int = 0) -> dict[int, np.ndarray]
 
 
 def _pad_to(image: np.ndarray, label: np.ndarray, size: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pad symmetrically (image with 0, the normalised mean; label with background) to at least `size`.
+    """Pad symmetrically (image with 0, the normalised mean; label with background, and a soft label's
+    runner-up and share with 0) to at least `size` along the last three axes.
 
     Returns the padded image, label and the offset of the original voxel (0, 0, 0).
     """
-    shape = np.array(label.shape)
+    shape = np.array(label.shape[-3:])
     deficit = np.maximum(np.array(size) - shape, 0)
     before = deficit // 2
     pads = [(int(b), int(d - b)) for b, d in zip(before, deficit)]
-    return np.pad(image, [(0, 0)] + pads), np.pad(label, pads), before
+    lead = [(0, 0)] * (label.ndim - 3)
+    return np.pad(image, [(0, 0)] + pads), np.pad(label, lead + pads), before
 
 
 def sample_patch(
@@ -58,15 +67,23 @@ def sample_patch(
     rng: np.random.Generator,
     force_fg: bool,
     matrix: np.ndarray | None = None,
+    soft: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """A random patch of `case`; with `force_fg`, centred on a voxel of a randomly chosen present class; with
     `matrix` (`data.augment.spatial_transform`), sampled on a rotated and scaled grid about the same centre.
+    Only the patch is read of the case's arrays (they may be memory maps).
 
     Returns:
-        image (C, *patch_size) float32 and label (*patch_size) uint8, contiguous copies.
+        image (C, *patch_size) float32 and label (*patch_size) uint8, contiguous copies; with `soft`, the
+        label is (3, *patch_size) uint8 (label, runner-up class, share: the module's soft targets).
     """
     image, label, offset = case.image, case.label, np.zeros(3, dtype=np.int64)
+    share = case.label_share if soft else None
+    if soft and share is None:
+        share = np.zeros((2, *label.shape), np.uint8)  # hard targets: a case without shares
     if any(s < p for s, p in zip(label.shape, patch_size)):
+        if share is not None:
+            share = _pad_to(image[:0], share, patch_size)[1]
         image, label, offset = _pad_to(image, label, patch_size)
     patch = np.array(patch_size)
     highest = np.array(label.shape) - patch  # largest valid start per axis
@@ -78,6 +95,9 @@ def sample_patch(
     else:
         start = np.array([rng.integers(h + 1) for h in highest])
     if matrix is not None:
-        return sample_transformed(image, label, start + (patch - 1) / 2, patch, matrix)
+        return sample_transformed(image, label, start + (patch - 1) / 2, patch, matrix, share)
     sl = tuple(slice(int(s), int(s + p)) for s, p in zip(start, patch))
-    return np.ascontiguousarray(image[(slice(None),) + sl]), np.ascontiguousarray(label[sl])
+    out = np.ascontiguousarray(label[sl])
+    if share is not None:
+        out = np.concatenate([out[None], share[(slice(None), *sl)]])
+    return np.ascontiguousarray(image[(slice(None),) + sl]), out

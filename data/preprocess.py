@@ -19,7 +19,7 @@ from data.geometry import (
     reorient,
     reoriented_spacing,
     resample_image,
-    resample_label,
+    resample_label_shares,
     resampled_shape,
     separate_axis,
     spacing_of,
@@ -32,6 +32,9 @@ class Planned:
     image: np.ndarray  # (C, *planned_shape) float32, normalised; with the plan's acquisition channel last
     label: np.ndarray | None  # (*planned_shape) uint8, when a label was given
     geometry: Geometry
+    # with a label: (2, *planned_shape) uint8, per voxel the runner-up class and its share in 255ths
+    # (`data.geometry.resample_label_shares`): the soft training targets
+    label_share: np.ndarray | None = None
 
 
 def nonzero_mask(image: np.ndarray) -> np.ndarray:
@@ -108,6 +111,7 @@ def preprocess(
     image = resample_image(image, shape, axis, plan.extra_channels)
     if plan.acquisition_channel:
         image[-1] = plane_distance(cropped, shape, voxel_ratios(spacing, plan.spacing))
+    share = None
     if label is not None:
-        label = resample_label(label, shape, axis, num_classes)
-    return Planned(image, label, geometry)
+        label, share = resample_label_shares(label, shape, axis, num_classes)
+    return Planned(image, label, geometry, share)

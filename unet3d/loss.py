@@ -7,6 +7,23 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def target_probabilities(target: torch.Tensor, num_classes: int, dtype: torch.dtype) -> torch.Tensor:
+    """Class probabilities (B, C, *size) of a target: integer labels (B, *size) one-hot, or a soft label
+    (B, 3, *size) uint8 (`data.patches`: label, runner-up class, runner-up's share in 255ths) as
+    (1 - share) on the label and share on the runner-up."""
+    if is_soft(target):
+        label, runner = target[:, 0].long(), target[:, 1].long()
+        share = target[:, 2:3].to(dtype) / 255
+        onehot = F.one_hot(label, num_classes).movedim(-1, 1).to(dtype)
+        return onehot * (1 - share) + F.one_hot(runner, num_classes).movedim(-1, 1).to(dtype) * share
+    return F.one_hot(target.long(), num_classes).movedim(-1, 1).to(dtype)
+
+
+def is_soft(target: torch.Tensor) -> bool:
+    """Whether `target` is a soft label (B, 3, X, Y, Z) uint8 rather than labels (B, X, Y, Z)."""
+    return target.ndim == 5 and target.dtype == torch.uint8
+
+
 class DiceLoss(nn.Module):
     """1 - soft Dice over softmax probabilities, per case and class, averaged.
 
@@ -30,7 +47,8 @@ class DiceLoss(nn.Module):
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Args:
             logits: (B, C, D, H, W) raw scores.
-            target: (B, D, H, W) integer labels in [0, C).
+            target: (B, D, H, W) integer labels in [0, C), or a soft label (B, 3, D, H, W) uint8
+                (`target_probabilities`).
 
         Returns:
             scalar loss in [0, 1].
@@ -39,7 +57,7 @@ class DiceLoss(nn.Module):
         if not self.include_background and num_classes < 2:
             raise ValueError("without background the loss needs at least 2 classes")
         probs = torch.softmax(logits.float(), dim=1)
-        onehot = F.one_hot(target.long(), num_classes).movedim(-1, 1).to(probs.dtype)  # (B, C, D, H, W)
+        onehot = target_probabilities(target, num_classes, probs.dtype)  # (B, C, D, H, W)
         dims = tuple(range(2, logits.ndim))
         intersection = (probs * onehot).sum(dims)  # (B, C)
         denominator = probs.sum(dims) + onehot.sum(dims)
@@ -62,7 +80,10 @@ class DiceCELoss(nn.Module):
         self.dice = DiceLoss(include_background=include_background, smooth=smooth)
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """logits (B, C, D, H, W), target (B, D, H, W) -> scalar loss."""
+        """logits (B, C, D, H, W), target (B, D, H, W) labels or a soft label (B, 3, D, H, W) -> scalar loss."""
+        if is_soft(target):
+            probs = target_probabilities(target, logits.shape[1], torch.float32)
+            return self.dice(logits, target) + F.cross_entropy(logits.float(), probs)
         return self.dice(logits, target) + F.cross_entropy(logits.float(), target.long())
 
 
@@ -100,8 +121,8 @@ class DeepSupervisionLoss(nn.Module):
         self.weights = supervision_weights(len(scales))
 
     def targets(self, target: torch.Tensor) -> list[torch.Tensor]:
-        """The label (B, X, Y, Z) at every output's resolution."""
-        return [target[:, :: s[0], :: s[1], :: s[2]] for s in self.scales]
+        """The label (B, X, Y, Z), or soft label (B, 3, X, Y, Z), at every output's resolution."""
+        return [target[..., :: s[0], :: s[1], :: s[2]] for s in self.scales]
 
     def forward(self, outputs: torch.Tensor | list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
         if isinstance(outputs, torch.Tensor):

@@ -31,6 +31,7 @@ CHOICES = {
     "augmentation": ("auto", *AUGMENTATIONS),
     "simulate_thick_slices": ("auto", "off"),
     "acquisition_channel": ACQUISITION_CHANNELS,
+    "label_targets": ("soft", "hard"),
 }
 
 # Defaults by device type. GPUs get nnU-Net's 3d_fullres width and a large patch; the CPU defaults are
@@ -168,6 +169,12 @@ class TrainConfig:
         "auto: where some training case is thick-slice at the planned spacing, the network gets one more input "
         "channel, each voxel's distance to its scan's nearest measured plane (data.acquisitions); off (the "
         "default: an experiment that has not closed the geometry gap): never",
+    )
+    label_targets: str = _f(
+        "soft",
+        "soft: a case resampled to a coarser grid is trained on each boundary voxel's share of its two leading "
+        "classes (data.geometry.resample_label_shares), so a prediction resampled back to the case's finer grid "
+        "can place the boundary inside the planned voxel; hard: the planned label only, as nnU-Net trains",
     )
     fg_fraction: float = _f(1 / 3, "share of patches centred on a foreground voxel")
     val_every: int = _f(1, "validate every this many epochs (and after the last)")

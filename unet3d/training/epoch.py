@@ -50,7 +50,8 @@ def train_one_epoch(
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     control: StepControl,
 ) -> EpochStats:
-    """Train epoch `state.epoch` on `batches` of (image (B, C, X, Y, Z), label (B, X, Y, Z)); advance `state`.
+    """Train epoch `state.epoch` on `batches` of (image (B, C, X, Y, Z), label (B, X, Y, Z) or a soft label
+    (B, 3, X, Y, Z), `data.patches`); advance `state`.
 
     Every rank must call this. `model` is what the forward pass runs through (the DDP wrapper, a compiled
     module or `state.model` itself); `batches` yields only the epoch's remaining batches when

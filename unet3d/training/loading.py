@@ -84,6 +84,7 @@ def make_loader(rt: Runtime, cases: Sequence[PreparedCase], acquisition_channel:
         cfg.augmentation,
         simulate_thick_slices=cfg.simulate_thick_slices == "auto",
         acquisition_channel=acquisition_channel,
+        soft_labels=cfg.label_targets == "soft",
     )
     dataset = slow_data(patches, rt.dist.rank)
     sampler = EpochSampler(dataset, num_replicas=rt.world_size, rank=rt.dist.rank, shuffle=True, seed=cfg.seed)
