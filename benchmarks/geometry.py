@@ -25,6 +25,10 @@ mixed data), so one case's lesion decides a tenth of the mean. `--test-cases N` 
 test cases instead (the training cases, and so the runs, are the same: test cases come after them), and
 every line then gives the mean over all N, over the default split's 4 (the first 4), and per protocol.
 `--noise-free-reader` trains nothing and prints what each acquisition can show at best (`noise_free_reader`).
+`--label-round-trip` trains nothing and prints what the planned space costs each test label, taken there and
+back as a prediction is, with hard targets and with `--label-targets soft`'s (`label_round_trip`).
+`--train-args "..."` passes more options to every training run (`--train-args="--label-targets hard"` trains
+on the planned labels alone, the control of the soft targets).
 
 `--every-protocol` tells what the geometry handling recovers from what the acquisitions lose: the test anatomies
 are also written acquired by each protocol of the mixed data alone (`--synthetic-geometry isotropic`, `axial`,
@@ -45,6 +49,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -57,6 +62,9 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from data.geometry import to_native  # noqa: E402
+from data.plan import Plan, target_spacing  # noqa: E402
+from data.preprocess import preprocess  # noqa: E402
 from data.synthetic import (  # noqa: E402
     LABELS,
     PROTOCOLS,
@@ -67,9 +75,11 @@ from data.synthetic import (  # noqa: E402
     extent,
     folder_name,
     generate_case,
+    grid,
     write_synthetic_dataset,
 )
 from unet3d.inference.metrics import confusion_counts, dice_from_counts  # noqa: E402
+from unet3d.loss import target_probabilities  # noqa: E402
 from unet3d.training.config import TrainConfig  # noqa: E402
 
 DEFAULT = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -174,6 +184,48 @@ def noise_free_reader(seed: int, test_cases: int) -> dict[str, dict[str, float]]
     return scores
 
 
+def label_round_trip(seed: int, test_cases: int) -> dict[str, dict[str, dict[str, float]]]:
+    """What the planned space itself costs before any learning: each test case's label brought into the plan's
+    space (nnU-Net's spacing rule over the training cases' canonical spacings and uncropped shapes),
+    taken back to its own grid as a prediction is (`data.geometry.to_native`) and scored against itself. As
+    "hard" the planned label alone (one-hot); as "soft" with the runner-up shares (`--label-targets soft`'s
+    targets). Per geometry and target kind: the mean Dice overall and per protocol."""
+    cases, size = DEFAULT_DATASET
+    scores = {}
+    for geometry in ("uniform", "mixed"):
+        shapes, spacings = [], []
+        for index in range(cases):  # the training cases' canonical spacings and shapes, as the plan sees them
+            acquisition = case_acquisition(geometry, index)
+            shape, _ = grid(acquisition, extent(size))
+            spacings.append([acquisition.spacing[list(acquisition.axes).index(w)] for w in range(3)])
+            shapes.append([shape[list(acquisition.axes).index(w)] for w in range(3)])
+        spacing, rule = target_spacing(spacings, shapes)
+        plan = Plan(
+            orientation="RAS", spacing=spacing, spacing_rule=rule, crop="nonzero",
+            normalization=({"modality": "MRI", "scheme": "zscore"},), median_shape=(size,) * 3,
+            median_spacing=spacing, patch_size=(32, 32, 32), features=(8,), kernels=((3, 3, 3),),
+            strides=((1, 1, 1),),
+        )  # fmt: skip
+        dice: dict[str, dict[str, list[np.ndarray]]] = {"hard": {}, "soft": {}}
+        for index in range(cases, cases + test_cases):
+            image, label, affine = generate_case(seed, index, size, geometry)
+            planned = preprocess(image[None], affine, plan, label, len(LABELS))
+            soft = np.concatenate([planned.label[None], planned.label_share])[None]
+            for kind, target in (("hard", planned.label[None]), ("soft", soft)):
+                probs = target_probabilities(torch.from_numpy(target), len(LABELS), torch.float32)[0]
+                back = to_native(probs, planned.geometry)
+                counts = confusion_counts(torch.from_numpy(back), torch.from_numpy(label), len(LABELS))
+                dice[kind].setdefault(case_acquisition(geometry, index).name, []).append(
+                    dice_from_counts(counts)[1:].numpy()
+                )
+        scores[geometry] = {"spacing": spacing}
+        for kind, per in dice.items():
+            every = np.concatenate([np.stack(v) for v in per.values()])
+            scores[geometry][kind] = {"mean_dice": float(every.mean(0).mean())}
+            scores[geometry][kind].update({f"protocol {k}": float(np.stack(v).mean(0).mean()) for k, v in per.items()})
+    return scores
+
+
 def evaluate(checkpoint: Path, data: Path, geometry: str, out: Path, log: Path, tta: bool = False) -> dict:
     """evaluate.py --split test on `data` (acquired with `geometry`): mean Dice, per class, over the default
     split's cases and per protocol (`protocol_scores`), in a folder emptied first, so nothing of an earlier
@@ -202,6 +254,7 @@ def run(name: str, extra: list[str], seed: int, data: Path, args: argparse.Names
     shutil.rmtree(out, ignore_errors=True)  # a fresh run: launch.sh would resume the last benchmark's checkpoint
     command = ["bash", "launch.sh", "cpu:2", "--out-dir", str(out), "--time-limit", str(args.time_limit)]
     command += ["--synthetic-dir", str(Path(args.out) / "synthetic"), "--seed", str(seed), *extra]
+    command += shlex.split(args.train_args)
     logged(command, out.parent / f"{out.name}.train.log")
     checkpoint = out / "checkpoints" / f"{args.checkpoint}.pt"
     geometry = extra[extra.index("--synthetic-geometry") + 1]
@@ -242,6 +295,11 @@ def main(argv=None) -> int:
         "come with mixed)",
     )
     p.add_argument(
+        "--train-args",
+        default="",
+        help='more options for every training run, one string (e.g. --train-args="--label-targets hard")',
+    )
+    p.add_argument(
         "--tta", action="store_true", help="also evaluate every model with mirroring TTA (evaluate.py --tta)"
     )
     p.add_argument(
@@ -274,6 +332,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="train nothing: print what each acquisition can show at best (`noise_free_reader`) on the test cases",
     )
+    p.add_argument(
+        "--label-round-trip",
+        action="store_true",
+        help="train nothing: print what the planned space costs the test labels, hard and soft (`label_round_trip`)",
+    )
     args = p.parse_args(argv)
     if args.test_cases < DEFAULT_TEST:
         p.error(f"--test-cases {args.test_cases}: at least the default split's {DEFAULT_TEST}")
@@ -283,6 +346,16 @@ def main(argv=None) -> int:
             for geometry, scores in noise_free_reader(seed, args.test_cases).items():
                 parts = ", ".join(f"{k[9:]} {v:.4f}" for k, v in scores.items() if k.startswith("protocol "))
                 print(f"  seed {seed}, {geometry:<8} {scores['mean_dice']:.4f}  (per protocol: {parts})")
+        return 0
+    if args.label_round_trip:
+        print(f"test labels to the planned space and back, scored against themselves, {args.test_cases} test cases")
+        for seed in args.seeds:
+            for geometry, scores in label_round_trip(seed, args.test_cases).items():
+                spacing = " x ".join(f"{v:g}" for v in scores["spacing"])
+                for kind in ("hard", "soft"):
+                    r = scores[kind]
+                    parts = ", ".join(f"{k[9:]} {v:.4f}" for k, v in r.items() if k.startswith("protocol "))
+                    print(f"  seed {seed}, {geometry:<8} at {spacing} mm, {kind}: {r['mean_dice']:.4f}  ({parts})")
         return 0
     chosen = {n: e for n, e in RUNS.items() if n == "uniform" or any(SHORT[r] == n for r in args.runs)}
     if args.every_protocol and "mixed" not in chosen:

@@ -114,3 +114,31 @@ def test_routing_scores_each_mixed_scan_by_its_protocols_specialist(tmp_path):
         mine = [i for i in cases if case_acquisition("mixed", i) == acquisition]
         expected = np.mean([np.mean([dice[acquisition][(i, n)] for i in mine]) for n in ("organ", "lesion")])
         assert scores[f"protocol {acquisition.name}"] == pytest.approx(expected)
+
+
+def test_label_round_trip_costs_the_mixed_scans_and_soft_targets_win_it_back(monkeypatch):
+    """The uniform data is planned at its own spacing: its labels come back unchanged. The mixed data's
+    thick-slice and fine in-plane scans lose boundaries as hard planned labels; the soft targets recover them."""
+    monkeypatch.setattr(bench, "DEFAULT_DATASET", (3, 24))
+    scores = bench.label_round_trip(seed=1, test_cases=4)
+    assert scores["uniform"]["hard"]["mean_dice"] == pytest.approx(1.0)
+    assert scores["uniform"]["soft"]["mean_dice"] == pytest.approx(1.0)
+    hard, soft = scores["mixed"]["hard"], scores["mixed"]["soft"]
+    assert hard["mean_dice"] < 0.99, hard
+    assert soft["mean_dice"] > hard["mean_dice"] + 0.005, (hard, soft)
+    names = {case_acquisition("mixed", i).name for i in range(3, 7)}
+    assert {k[9:] for k in soft if k.startswith("protocol ")} == names
+
+
+def test_train_args_reach_every_training_run(tmp_path, monkeypatch):
+    """--train-args is split as a shell would and appended to each launch.sh command."""
+    commands = []
+    monkeypatch.setattr(bench, "logged", lambda command, log: commands.append(command))
+    monkeypatch.setattr(bench, "evaluate", lambda *a, **k: {"mean_dice": 0.5})
+    args = bench.argparse.Namespace(out=str(tmp_path), time_limit=5, checkpoint="last", tta=False)
+    args.train_args = "--label-targets hard --fg-fraction 0.5"
+    bench.run("mixed", ["--synthetic-geometry", "mixed"], 0, tmp_path, args)
+    (command,) = commands
+    assert command[:3] == ["bash", "launch.sh", "cpu:2"]
+    assert command[-4:] == ["--label-targets", "hard", "--fg-fraction", "0.5"]
+    assert command[command.index("--synthetic-geometry") + 1] == "mixed"
