@@ -189,14 +189,14 @@ def resample_label_shares(
     def mask(k: int) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(label == k, dtype=np.float32))
 
-    labels, runner, share = _argmax_resampled(mask, num_classes, shape, axis, runner_up=True)
-    return labels, np.stack([runner, share])
+    return _argmax_resampled(mask, num_classes, shape, axis, runner_up=True)
 
 
 def _argmax_resampled(channel, num_classes: int, shape: Sequence[int], axis: int | None, runner_up: bool = False):
     """argmax over classes of `channel(k)` resampled to `shape`, keeping one class's volume at a time; with
-    `runner_up`, (argmax, runner-up class, its share of the two leading values in 255ths), all uint8."""
-    best = labels = second = runners = None
+    `runner_up`, (argmax, (2, *shape): runner-up class and its share of the two leading values in 255ths), all
+    uint8, written into one array (no stacking copy at the end)."""
+    best = labels = second = runners = pair = None
     for k in range(num_classes):
         p = _resize(channel(k)[None].float(), shape, axis)[0]
         if best is None:
@@ -205,7 +205,8 @@ def _argmax_resampled(channel, num_classes: int, shape: Sequence[int], axis: int
             labels = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)
             if runner_up:
                 second = torch.zeros_like(best)
-                runners = torch.zeros_like(labels)
+                pair = torch.zeros((2, *p.shape), dtype=torch.uint8, device=p.device)
+                runners = pair[0]
         else:
             better = p > best
             if runner_up:  # where `p` wins the old best is the runner-up; elsewhere `p` may beat the runner-up
@@ -224,9 +225,11 @@ def _argmax_resampled(channel, num_classes: int, shape: Sequence[int], axis: int
         return labels.cpu().numpy()
     second.clamp_min_(0)  # linear interpolation of masks in [0, 1] stays in [0, 1]; rounding may dip below 0
     best.clamp_min_(0).add_(second).clamp_min_(1e-6)  # now the two leading shares' sum
-    share = second.mul_(255).div_(best).round_().to(torch.uint8)
+    share = pair[1]
+    share.copy_(second.mul_(255).div_(best).round_())  # in [0, 128]: the runner-up holds at most half
+    del second, best
     runners[share == 0] = 0
-    return labels.cpu().numpy(), runners.cpu().numpy(), share.cpu().numpy()
+    return labels.cpu().numpy(), pair.cpu().numpy()
 
 
 @dataclass(frozen=True, kw_only=True)
