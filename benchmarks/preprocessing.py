@@ -1,9 +1,20 @@
 """Preprocessing one large CT-like case: ours (reorient, crop, normalise, resample image and labels) against
-MONAI's `Orientationd` + `Spacingd` on the same file, each in a fresh process, timed, with its peak memory."""
+MONAI's `Orientationd` + `Spacingd` on the same file, each in a fresh process, timed, with its peak memory.
+
+    python benchmarks/preprocessing.py                      # 512 x 512 x 300, about a minute on 2 cores
+    python benchmarks/preprocessing.py --shape 256 256 150  # the size `benchmarks/run.py --quick` uses
+
+Prints both measurements and their ratios; `--reference none` measures ours alone (no MONAI needed).
+`benchmarks/run.py` takes the same rows into its table.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
 import multiprocessing as mp
+import sys
 import time
 from pathlib import Path
 
@@ -102,3 +113,49 @@ def measure(which: str, image_path: Path, label_path: Path) -> tuple[float, floa
 def case_mib(shape=SHAPE) -> float:
     """The case in memory as preprocessing holds it: a float32 image and a uint8 label."""
     return float(np.prod(shape)) * 5 / 2**20
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", nargs=3, type=int, default=list(SHAPE), metavar=("X", "Y", "Z"))
+    p.add_argument("--folder", help="where the CT is written once (default runs/cache/benchmark/XxYxZ)")
+    p.add_argument("--reference", choices=("monai", "none"), default="monai", help="what ours is compared with")
+    p.add_argument("--json", help="also write the measurements to this file")
+    args = p.parse_args(argv)
+    shape = tuple(args.shape)
+    if min(shape) < 8:
+        p.error(f"--shape must be at least 8 voxels per axis, got {shape}")
+    if args.reference == "monai" and importlib.util.find_spec("monai") is None:
+        print(
+            'error: the MONAI reference needs MONAI: pip install -e ".[bench]" (or --reference none)', file=sys.stderr
+        )
+        return 2
+    folder = Path(args.folder or Path("runs/cache/benchmark") / "x".join(map(str, shape)))
+    image, label = write_ct(folder, shape)
+    size = case_mib(shape)
+    print(f"CT {'x'.join(map(str, shape))}, {CLASSES} classes, LPS {SPACING} mm to RAS {TARGET} mm, one thread")
+    print(f"the case in memory (float32 image + uint8 label): {size:.0f} MiB")
+    names = ["ours"] + (["monai"] if args.reference == "monai" else [])
+    results = {}
+    for which in names:
+        seconds, with_loading, peak, out_shape = measure(which, image, label)
+        results[which] = {"seconds": seconds, "seconds_with_loading": with_loading, "peak_mib": peak,
+                          "peak_over_case": peak / size, "output_shape": list(out_shape)}  # fmt: skip
+        print(
+            f"  {which:5s}  {seconds:7.2f} s preprocessing ({with_loading:.2f} s with loading), peak memory added "
+            f"{peak:7.0f} MiB ({peak / size:.1f}x the case), output {'x'.join(map(str, out_shape))}"
+        )
+    if "monai" in results:
+        ours, monai = results["ours"], results["monai"]
+        print(
+            f"  ratio  MONAI / ours: time {monai['seconds'] / ours['seconds']:.2f}x, "
+            f"peak memory {monai['peak_mib'] / ours['peak_mib']:.2f}x"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"shape": list(shape), "case_mib": size, **results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's packages, for the workers too
+    sys.exit(main())

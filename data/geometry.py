@@ -120,20 +120,38 @@ def separate_axis(spacing: Sequence[float], target: Sequence[float]) -> int | No
     return None
 
 
-def _resize(volume: torch.Tensor, shape: Sequence[int], axis: int | None) -> torch.Tensor:
-    """(N, X, Y, Z) float -> (N, *shape): trilinear, or with `axis` the planes across it first, then along it."""
+def _buffer(work: dict | None, name: str, shape: Sequence[int], device: torch.device) -> torch.Tensor:
+    """An uninitialised float32 tensor of `shape` on `device`, kept in `work` for the next call of the same
+    shape (a large fresh allocation costs its page faults again, as much as the interpolation)."""
+    shape = tuple(int(s) for s in shape)
+    if work is not None:
+        held = work.get(name)
+        if held is not None and tuple(held.shape) == shape and held.device == device:
+            return held
+    out = torch.empty(shape, dtype=torch.float32, device=device)
+    if work is not None:
+        work[name] = out
+    return out
+
+
+def _resize(volume: torch.Tensor, shape: Sequence[int], axis: int | None, work: dict | None = None) -> torch.Tensor:
+    """(N, X, Y, Z) of any dtype -> (N, *shape) float32: trilinear, or with `axis` the planes across it first,
+    then along it (the input converted a few planes at a time: a uint8 mask needs no float copy).
+
+    With `work` (a dict the caller keeps across calls of one shape), the thick-axis path writes into buffers
+    held there and returns a view of one: valid until the next call with the same `work`."""
     shape = tuple(int(s) for s in shape)
     if tuple(volume.shape[1:]) == shape:
-        return volume
+        return volume.float()
     if axis is None:
-        return F.interpolate(volume[None], size=shape, mode="trilinear", align_corners=False)[0]
+        return F.interpolate(volume[None].float(), size=shape, mode="trilinear", align_corners=False)[0]
     moved = volume.movedim(axis + 1, 1)  # (N, A, P, Q): planes along the thick axis
     n, a = moved.shape[:2]
     plane = [s for i, s in enumerate(shape) if i != axis]
-    planes = torch.empty((n, a, *plane), dtype=volume.dtype, device=volume.device)
+    planes = _buffer(work, "planes", (n, a, *plane), volume.device)
     for i in range(0, a, SLICES_PER_PASS):  # a few planes at a time: no full-size copy of the input
         chunk = moved[:, i : i + SLICES_PER_PASS]
-        flat = chunk.reshape(-1, 1, *chunk.shape[2:])
+        flat = chunk.reshape(-1, 1, *chunk.shape[2:]).float()
         planes[:, i : i + SLICES_PER_PASS] = F.interpolate(
             flat, size=plane, mode="bilinear", align_corners=False
         ).reshape(n, -1, *plane)
@@ -145,7 +163,12 @@ def _resize(volume: torch.Tensor, shape: Sequence[int], axis: int | None) -> tor
     hi = (lo + 1).clamp(max=a - 1)
     w = (x - lo).to(planes.dtype).view(1, -1, 1, 1).to(planes.device)
     lo, hi = lo.to(planes.device), hi.to(planes.device)
-    return (planes.index_select(1, lo) * (1 - w) + planes.index_select(1, hi) * w).movedim(1, axis + 1)
+    out = _buffer(work, "out", (n, shape[axis], *plane), volume.device)
+    torch.index_select(planes, 1, lo, out=out)
+    for j in range(0, shape[axis], SLICES_PER_PASS):  # in place, the upper planes a few at a time
+        part = slice(j, j + SLICES_PER_PASS)
+        out[:, part].lerp_(planes.index_select(1, hi[part]), w[:, part])
+    return out.movedim(1, axis + 1)
 
 
 def resample_image(image: np.ndarray, shape: Sequence[int], axis: int | None, extra: int = 0) -> np.ndarray:
@@ -154,16 +177,20 @@ def resample_image(image: np.ndarray, shape: Sequence[int], axis: int | None, ex
     if tuple(image.shape[1:]) == tuple(shape) and not extra:
         return np.ascontiguousarray(image, dtype=np.float32)
     out = np.empty((image.shape[0] + extra, *shape), np.float32)
+    work: dict = {}  # the interpolation's buffers, reused from channel to channel
     for c in range(image.shape[0]):
         channel = torch.from_numpy(np.ascontiguousarray(image[c], dtype=np.float32))[None]
-        out[c] = _resize(channel, shape, axis)[0].numpy()
+        out[c] = _resize(channel, shape, axis, work)[0].numpy()
     return out
 
 
 def resample_label(label: np.ndarray, shape: Sequence[int], axis: int | None, num_classes: int) -> np.ndarray:
     """(X, Y, Z) labels -> (*shape) uint8: each class's mask interpolated as a probability, the most likely
     class kept, so no class is invented between two others (nnU-Net resamples segmentations this way)."""
-    return resample_label_shares(label, shape, axis, num_classes)[0]
+    shape = tuple(int(s) for s in shape)
+    if tuple(label.shape) == shape:
+        return np.ascontiguousarray(label, dtype=np.uint8)
+    return _argmax_resampled(_masks(label), num_classes, shape, axis)
 
 
 def resample_label_shares(
@@ -185,51 +212,63 @@ def resample_label_shares(
     shape = tuple(int(s) for s in shape)
     if tuple(label.shape) == shape:
         return np.ascontiguousarray(label, dtype=np.uint8), np.zeros((2, *shape), np.uint8)
+    return _argmax_resampled(_masks(label), num_classes, shape, axis, runner_up=True)
 
-    def mask(k: int) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(label == k, dtype=np.float32))
 
-    return _argmax_resampled(mask, num_classes, shape, axis, runner_up=True)
+def _masks(label: np.ndarray):
+    """k -> class k's mask of `label` (uint8 0/1), in one buffer rewritten for every class (valid until the
+    next call)."""
+    codes = torch.from_numpy(np.ascontiguousarray(label, dtype=np.uint8))  # a reoriented view: copied once
+    hit = torch.empty(codes.shape, dtype=torch.bool)
+
+    def channel(k: int) -> torch.Tensor:
+        torch.eq(codes, k, out=hit)
+        return hit.view(torch.uint8)  # `_resize` converts it to float a few planes at a time
+
+    return channel
 
 
 def _argmax_resampled(channel, num_classes: int, shape: Sequence[int], axis: int | None, runner_up: bool = False):
     """argmax over classes of `channel(k)` resampled to `shape`, keeping one class's volume at a time; with
     `runner_up`, (argmax, (2, *shape): runner-up class and its share of the two leading values in 255ths), all
-    uint8, written into one array (no stacking copy at the end)."""
-    best = labels = second = runners = pair = None
+    uint8 numpy arrays. The interpolation's buffers are reused from class to class, and the running maxima
+    take the resampled volume's memory layout, so every step is one contiguous elementwise pass."""
+    work: dict = {}
+    best = labels = second = runners = None
     for k in range(num_classes):
-        p = _resize(channel(k)[None].float(), shape, axis)[0]
+        p = _resize(channel(k)[None], shape, axis, work)[0]
         if best is None:
-            # a copy: without resampling `p` is a view of the caller's volume, which `out=best` would overwrite
-            best = p.clone(memory_format=torch.contiguous_format)
-            labels = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)
+            # copies (p's layout kept): `p` is a reused buffer, or without resampling a view of the caller's
+            best = torch.empty_like(p).copy_(p)
+            labels = torch.zeros_like(p, dtype=torch.uint8)
             if runner_up:
-                second = torch.zeros_like(best)
-                pair = torch.zeros((2, *p.shape), dtype=torch.uint8, device=p.device)
-                runners = pair[0]
-        else:
-            better = p > best
-            if runner_up:  # where `p` wins the old best is the runner-up; elsewhere `p` may beat the runner-up
-                up = p > second
-                up &= ~better
-                second[better] = best[better]  # temporaries only as large as the voxels that change
-                runners[better] = labels[better]
-                second[up] = p[up]
-                runners[up] = k
-                del up
-            labels[better] = k
-            torch.maximum(best, p, out=best)
-            del better
-        del p
+                second = torch.zeros_like(p)
+                runners = torch.zeros_like(p, dtype=torch.uint8)
+            continue
+        better = p > best
+        if runner_up:  # where `p` wins, the old best is the runner-up; elsewhere `p` may beat the runner-up
+            # elementwise and in place (no boolean indexing, whose gathers cost more than the interpolation)
+            runners.masked_fill_(p > second, k)
+            torch.where(better, labels, runners, out=runners)
+            torch.maximum(second, p, out=second)
+            torch.where(better, best, second, out=second)
+        labels.masked_fill_(better, k)
+        torch.maximum(best, p, out=best)
+        del better, p
+    work.clear()
+    hard = np.ascontiguousarray(labels.cpu().numpy())
     if not runner_up:
-        return labels.cpu().numpy()
+        return hard
+    del labels
     second.clamp_min_(0)  # linear interpolation of masks in [0, 1] stays in [0, 1]; rounding may dip below 0
     best.clamp_min_(0).add_(second).clamp_min_(1e-6)  # now the two leading shares' sum
-    share = pair[1]
-    share.copy_(second.mul_(255).div_(best).round_())  # in [0, 128]: the runner-up holds at most half
+    share = second.mul_(255).div_(best).round_().to(torch.uint8)  # in [0, 128]: the runner-up holds at most half
     del second, best
-    runners[share == 0] = 0
-    return labels.cpu().numpy(), pair.cpu().numpy()
+    runners.masked_fill_(share == 0, 0)
+    pair = np.empty((2, *shape), np.uint8)
+    pair[0] = runners.cpu().numpy()
+    pair[1] = share.cpu().numpy()
+    return hard, pair
 
 
 @dataclass(frozen=True, kw_only=True)
