@@ -8,13 +8,14 @@
 # run it asks `nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory` which card each of the job's
 # processes holds memory on: every rank only on its own card, no DataLoader worker or launcher on any.
 # Then it resumes across precisions (fp16 after bf16 and bf16 after fp16; on GPUs without bf16 tensor
-# cores, --amp bf16 must be refused instead), and evaluates the result with `evaluate.py --gpu`, watched
+# cores, --amp bf16 must be refused instead) and AdamW from fp16 into fp32 in another memory format (the
+# fused kernels' step counts and strides), and evaluates the result with `evaluate.py --gpu`, watched
 # the same way. One verdict line per check (PASS, FAIL or SKIP) and a summary; exit code 1 if any failed.
 # About 5 minutes on one modern GPU. Logs of every run stay in the folder (default runs/gpu_check).
 set -uo pipefail
 
 if [[ $# -lt 1 || $1 == -h || $1 == --help ]]; then
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
   [[ $# -ge 1 ]] && exit 0 || exit 2
 fi
 ids=$1
@@ -173,6 +174,17 @@ else
     epoch_ok "$out/run.log" 2 && pass "resume: fp16 continues" || fail "resume fp16: see $out/run.log"
   fi
   skip "bf16 resumes: no bf16 tensor cores on GPU $first"
+fi
+
+# AdamW across kernels and layouts: under fp16 it steps with the foreach kernels (step counts on the CPU),
+# in fp32 with the fused ones, which need the step counts on the GPU and buffers with the weights' strides.
+out=$work/adamw_kernels
+rm -rf "$out"
+if train "adamw fp16" "$ids" "$out" --epochs 1 --amp fp16 --optimizer adamw --memory-format channels_last &&
+  train "adamw fp32 resumed" "$ids" "$out" --epochs 2 --amp off --optimizer adamw --memory-format contiguous; then
+  grep -q "resumed from" "$out/run.log" && epoch_ok "$out/run.log" 2 &&
+    pass "resume: AdamW from fp16 (foreach, channels_last) continues fused in fp32, contiguous" ||
+    fail "resume AdamW fp16 -> fp32: see $out/run.log"
 fi
 
 # 4. evaluate.py --gpu FIRST: masked to that card (cuda:0 inside), reproduces the training's validation.

@@ -3,6 +3,7 @@ needed, the real code everywhere else."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -225,3 +226,54 @@ def test_cuda_step_times_are_read_only_once_the_gpu_has_reached_them(monkeypatch
     clock = _Clock(GPU)
     start, end = clock.mark(), clock.mark()
     assert clock.seconds(start, end) == 1.0
+
+
+def _trained_state(rt, model: UNet3D) -> dict:
+    """The checkpoint of `model` after one optimizer step (its moments or momentum buffers exist)."""
+    state = state_for(rt, model)
+    x = torch.randn(1, 1, 8, 8, 8).contiguous(memory_format=rt.memory_format)
+    model(x).square().mean().backward()
+    state.optimizer.step()
+    return state.state_dict(world_size=2, rng_states=[])  # no generator states: none are restored
+
+
+@pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter")
+def test_a_resume_into_fused_kernels_puts_the_step_counts_on_the_parameters_device():
+    """A checkpoint of AdamW with CPU step counts (written by an fp16 run's foreach kernels, or on the CPU)
+    resumed by a run whose groups are fused (bf16 or fp32 on CUDA): the fused kernels take the step counts on
+    the weights' device, in float32, and fail with a CPU one. The weights' device is played by `meta`, where a
+    step count left on the CPU shows as on a GPU; the run's fused flags are set on its groups as
+    `build_optimizer(kernels="fused")` sets them on CUDA."""
+    rt = runtime(dist.DistInfo(0, 0, 1, 1, CPU), 1, optimizer="adamw", features=(4, 8))
+    checkpoint = _trained_state(rt, UNet3D(1, 3, (4, 8)))
+    steps = [s["step"] for s in checkpoint["optimizer"]["state"].values()]
+    assert steps and all(s.device == CPU for s in steps)
+    resumed = state_for(rt, UNet3D(1, 3, (4, 8)).to("meta"))
+    for group in resumed.optimizer.param_groups:
+        group.update(fused=True, foreach=None)
+    resumed.load(checkpoint, source="adamw.pt", rank=0, warn=lambda message: None)
+    for group in resumed.optimizer.param_groups:
+        assert group["fused"] is True
+        for param in group["params"]:
+            step = resumed.optimizer.state[param]["step"]
+            assert (step.device, step.dtype) == (param.device, torch.float32)
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("channels_last", "contiguous"), ("contiguous", "channels_last")])
+def test_a_resume_in_another_memory_format_gives_the_buffers_the_weights_strides(saved, resumed):
+    """--memory-format may change on resume; the fused CUDA kernels require momentum buffers with the weights'
+    strides (the CPU kernels do not check), and a loaded buffer keeps the strides it was saved with."""
+    formats = {"channels_last": torch.channels_last_3d, "contiguous": CF}
+    rt = runtime(dist.DistInfo(0, 0, 1, 1, CPU), 1, features=(4, 8))
+    runs = {name: dataclasses.replace(rt, memory_format=formats[name]) for name in (saved, resumed)}
+    torch.manual_seed(0)
+    checkpoint = _trained_state(runs[saved], amp.apply_memory_format(UNet3D(1, 3, (4, 8)), formats[saved]))
+    state = state_for(runs[resumed], amp.apply_memory_format(UNet3D(1, 3, (4, 8)), formats[resumed]))
+    state.load(checkpoint, source="other_format.pt", rank=0, warn=print)
+    five_d = [p for p in state.model.parameters() if p.dim() == 5 and p.shape[-1] > 1]
+    assert five_d and any(p.stride() != torch.empty(p.shape).stride() for p in five_d) == (resumed != "contiguous")
+    saved_state = checkpoint["optimizer"]["state"]
+    for index, param in enumerate(state.model.parameters()):
+        buffer = state.optimizer.state[param]["momentum_buffer"]
+        assert buffer.stride() == param.stride(), index
+        torch.testing.assert_close(buffer, saved_state[index]["momentum_buffer"])

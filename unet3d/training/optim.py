@@ -42,6 +42,30 @@ def build_optimizer(
     raise ValueError(f"unknown optimizer {name!r}; choose sgd or adamw")
 
 
+def fit_state_to_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Give loaded optimizer state the placement and layout this run's kernels need, in place.
+
+    `load_state_dict` places each step count by the *saved* groups' flags (on the parameter's device for a
+    fused or capturable run, else on the CPU) and keeps the saved buffers' strides. A checkpoint written with
+    other kernels (an fp16 run's foreach, a CPU run's default) resumed with the fused CUDA kernels would step
+    with a CPU step count ("Expected all tensors to be on the same device"), and one written in another memory
+    format with momentum buffers whose strides differ from the weights' (the fused kernels require equal
+    strides). Here every step count goes where this run's groups want it, as float32 where they are fused or
+    capturable, and every buffer shaped like its parameter takes the parameter's strides.
+    """
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            for key, value in (state or {}).items():
+                if not torch.is_tensor(value):
+                    continue  # SGD without momentum keeps None
+                if key == "step":
+                    state[key] = value.to(param.device, torch.float32) if on_device else value.to("cpu")
+                elif value.shape == param.shape and value.stride() != param.stride():
+                    state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+
+
 class ProgressSchedule:
     """Learning rate as a function of training progress in [0, 1].
 

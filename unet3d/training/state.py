@@ -24,7 +24,13 @@ from unet3d.precision import apply_memory_format, grad_scaler
 from unet3d.training import rng
 from unet3d.training.config import TrainConfig
 from unet3d.training.control import TimeBudget
-from unet3d.training.optim import ProgressSchedule, build_optimizer, build_schedule, optimizer_kernels
+from unet3d.training.optim import (
+    ProgressSchedule,
+    build_optimizer,
+    build_schedule,
+    fit_state_to_parameters,
+    optimizer_kernels,
+)
 from unet3d.training.runtime import Runtime
 
 CHECKPOINT_FORMAT = 2  # 1: before TrainState (no "format" key), which loads the same way
@@ -123,6 +129,7 @@ class TrainState:
             ) from e
         for group, chosen in zip(self.optimizer.param_groups, kernels, strict=True):
             group.update(chosen)
+        fit_state_to_parameters(self.optimizer)  # step counts and buffer layouts for this run's kernels
         if self.scaler.is_enabled() and not checkpoint["scaler"]:
             # Written without fp16 loss scaling (fp32 or bf16): the scale starts afresh, as in a new run.
             warn(f"{source} holds no GradScaler state (it was trained without fp16): the loss scale starts afresh")
