@@ -23,11 +23,13 @@ Environment:
                     restart resumes from the last checkpoint
   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT
                     multi-node: run launch.sh on every node with the same GPU ids; ranks meet through
-                    torchrun's c10d rendezvous at MASTER_ADDR:MASTER_PORT (default port 29500)
+                    torchrun's c10d rendezvous at MASTER_ADDR:MASTER_PORT (default port 29500); two
+                    jobs whose first node is the same need ports of their own
   RDZV_ID           rendezvous id shared by the nodes (default: $SLURM_JOB_ID, else unet3d)
   OMP_NUM_THREADS   threads per process (default: CPUs / processes)
-  PYTHON, TORCHRUN  the interpreter and the torchrun command (default: python3; torchrun, else
-                    python3 -m torch.distributed.run)
+  NVIDIA_SMI_TIMEOUT  seconds to wait for `nvidia-smi -L` (default 60; a hung driver stops the launch)
+  PYTHON, TORCHRUN  the interpreter and the torchrun command (default: python3; with PYTHON given,
+                    $PYTHON -m torch.distributed.run, else torchrun, else python3 -m torch.distributed.run)
 EOF
 }
 
@@ -52,32 +54,46 @@ shift
 UNET3D_LAUNCH_TIME=$(date +%s.%N)  # --time-limit counts from here
 export UNET3D_LAUNCH_TIME
 
+python_given=${PYTHON:+1}
 PYTHON=${PYTHON:-python3}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
-[[ $MAX_RESTARTS =~ ^[0-9]+$ ]] || die "MAX_RESTARTS must be a number >= 0, got '$MAX_RESTARTS'"
-[[ $NNODES =~ ^[0-9]+$ && $NNODES -ge 1 ]] || die "NNODES must be a positive number, got '$NNODES'"
-[[ $NODE_RANK =~ ^[0-9]+$ && $NODE_RANK -lt $NNODES ]] || die "NODE_RANK must be in 0..$((NNODES - 1)), got '$NODE_RANK'"
+number() { [[ $1 =~ ^0*[0-9]{1,6}$ ]] && echo $((10#$1)); }  # decimal, as torchrun reads it (08 is 8)
+restarts=$(number "$MAX_RESTARTS") || die "MAX_RESTARTS must be a number >= 0, got '$MAX_RESTARTS'"
+nodes=$(number "$NNODES") && ((nodes >= 1)) || die "NNODES must be a positive number, got '$NNODES'"
+node_rank=$(number "$NODE_RANK") && ((node_rank < nodes)) ||
+  die "NODE_RANK must be in 0..$((nodes - 1)), got '$NODE_RANK'"
+MAX_RESTARTS=$restarts NNODES=$nodes NODE_RANK=$node_rank
 if ((NNODES > 1)); then
   [[ -n ${MASTER_ADDR:-} ]] || die "NNODES=$NNODES needs MASTER_ADDR (the address of the node that hosts the rendezvous)"
 fi
 
 if [[ -n ${TORCHRUN:-} ]]; then
   read -r -a torchrun <<<"$TORCHRUN"
+elif [[ -n $python_given ]]; then
+  torchrun=("$PYTHON" -m torch.distributed.run)  # the ranks run in the pre-flight's environment
 elif command -v torchrun >/dev/null 2>&1; then
   torchrun=(torchrun)
 else
   torchrun=("$PYTHON" -m torch.distributed.run)
 fi
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+for arg in "$@"; do
+  if [[ $arg == -h || $arg == --help ]]; then  # train_ddp.py's options, once (not from every rank)
+    exec "$PYTHON" "$here/train_ddp.py" --help
+  fi
+done
 cpus=$(nproc)
 who=rank
 ((NNODES == 1)) || who="node $NODE_RANK local rank"
 
 if [[ $spec =~ ^cpu(:(.*))?$ ]]; then
-  nproc_per_node=${BASH_REMATCH[2]:-2}
-  [[ $nproc_per_node =~ ^[0-9]+$ && $nproc_per_node -ge 1 ]] ||
-    die "cpu:N needs a positive number of processes, got '$nproc_per_node'"
+  nproc_per_node=2
+  [[ -z ${BASH_REMATCH[1]} ]] || nproc_per_node=${BASH_REMATCH[2]}
+  [[ $nproc_per_node =~ ^0*[1-9][0-9]{0,3}$ ]] ||
+    die "cpu:N needs a positive number of processes, got '$nproc_per_node' (1 to 9999)"
+  nproc_per_node=$((10#$nproc_per_node))  # 010 is 10 processes, as torchrun reads it
   export CUDA_VISIBLE_DEVICES=""  # hide every GPU: the ranks use gloo on the CPU
   export UNET3D_EXPECT_CUDA=0
   threads=$((cpus / nproc_per_node))
@@ -97,6 +113,7 @@ else
     [[ -n $id ]] || die "empty entry in GPU list '$spec'"
     [[ $id =~ ^-[0-9]+$ ]] && die "negative GPU id '$id' in '$spec'"
     [[ $id =~ ^[0-9]+$ ]] || die "GPU id '$id' in '$spec' is not a number"
+    [[ $id =~ ^0*[0-9]{1,6}$ ]] || die "GPU id '$id' in '$spec' is too large"
     id=$((10#$id))  # 05 is 5: CUDA would read 5,05 as a repeated ordinal and hide every GPU
     [[ -z ${seen[$id]:-} ]] || die "GPU id $id appears twice in '$spec'"
     seen[$id]=1
@@ -104,7 +121,12 @@ else
   done
   spec=$(IFS=,; echo "${ids[*]}")
   command -v nvidia-smi >/dev/null 2>&1 || die "nvidia-smi not found: no NVIDIA driver? Use 'cpu' to train on the CPU"
-  listing=$(nvidia-smi -L 2>/dev/null) || die "nvidia-smi -L failed; is the NVIDIA driver loaded?"
+  smi=(nvidia-smi -L)
+  wait_s=$(number "${NVIDIA_SMI_TIMEOUT:-60}") ||
+    die "NVIDIA_SMI_TIMEOUT must be a number of seconds, got '$NVIDIA_SMI_TIMEOUT'"
+  command -v timeout >/dev/null 2>&1 && smi=(timeout "$wait_s" nvidia-smi -L)  # a hung driver: a message, no hang
+  listing=$("${smi[@]}" 2>/dev/null) ||
+    die "nvidia-smi -L failed or did not answer within ${wait_s} s; is the NVIDIA driver loaded?"
   mapfile -t gpus < <(grep -E '^GPU [0-9]+:' <<<"$listing" || true)
   for id in "${ids[@]}"; do
     ((10#$id < ${#gpus[@]})) || die "GPU id $id is not below the ${#gpus[@]} GPU(s) that nvidia-smi -L lists"
@@ -121,8 +143,6 @@ else
     echo "  $who $i -> cuda:$i -> physical GPU ${ids[$i]}: ${line#GPU *: }"
   done
 fi
-
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 # Pre-flight: one process, no GPU touched (PyTorch asks NVML, not CUDA, whether GPUs exist).
 WORLD_SIZE=$((nproc_per_node * NNODES)) LOCAL_WORLD_SIZE=$nproc_per_node PYTORCH_NVML_BASED_CUDA_CHECK=1 \

@@ -11,6 +11,7 @@ import json
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,9 @@ def started(tmp_path, name: str = "torchrun") -> dict | None:
         ("0,9", "GPU id 9 is not below the 4 GPU(s)"),
         ("cpu:0", "cpu:N needs a positive number of processes, got '0'"),
         ("cpu:two", "cpu:N needs a positive number of processes, got 'two'"),
+        ("cpu:", "cpu:N needs a positive number of processes, got ''"),
+        ("cpu:10000", "got '10000' (1 to 9999)"),
+        ("18446744073709551616", "GPU id '18446744073709551616' in '18446744073709551616' is too large"),  # not 0
         ("--epochs", "the first argument must be GPU ids or cpu[:N]"),
     ],
 )
@@ -235,3 +239,56 @@ def test_gpu_check_script_explains_itself_and_refuses_a_machine_without_cuda(tmp
     assert result.returncode == 1
     assert "FAIL  PyTorch sees no CUDA GPU with CUDA_VISIBLE_DEVICES=0" in result.stdout
     assert "0 passed, 1 failed" in result.stdout and not (tmp_path / "gc").exists(), "nothing trained"
+
+
+def test_counts_with_leading_zeros_are_decimal_as_torchrun_reads_them(env, tmp_path):
+    """bash reads 010 as octal 8 and fails on 08; torchrun reads 10 and 8: the launcher must agree with it."""
+    result = run(["bash", "launch.sh", "cpu:010", "--epochs", "1"], env={**env, "OMP_NUM_THREADS": ""}, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert started(tmp_path)["argv"][:3] == ["--standalone", "--nproc-per-node", "10"]
+    assert started(tmp_path, "python")["env"]["WORLD_SIZE"] == "10"
+    assert "rank 9 -> cpu" in result.stdout and "rank 10 -> cpu" not in result.stdout
+    assert started(tmp_path)["env"]["OMP_NUM_THREADS"] == str(max(1, os.cpu_count() // 10))
+    nodes = {**env, "NNODES": "08", "NODE_RANK": "07", "MAX_RESTARTS": "09", "MASTER_ADDR": "10.0.0.7"}
+    result = run(["bash", "launch.sh", "cpu:1", "--epochs", "1"], env=nodes, timeout=30)
+    assert result.returncode == 0, result.stderr
+    argv = started(tmp_path)["argv"]
+    assert argv[:4] == ["--nnodes", "8", "--node-rank", "7"] and argv[argv.index("--max-restarts") + 1] == "9"
+    refused = run(["bash", "launch.sh", "cpu"], env={**env, "NNODES": "09"}, timeout=30)
+    assert (
+        refused.returncode == 2
+        and refused.stderr
+        == "launch.sh: NNODES=9 needs MASTER_ADDR (the address of the node that hosts the rendezvous)\n"
+    )
+
+
+def test_help_among_the_options_prints_train_ddp_help_once_and_starts_nothing(env, tmp_path):
+    result = run(["bash", "launch.sh", "cpu:2", "--epochs", "1", "--help"], env=env, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert started(tmp_path) is None, "no torchrun"
+    assert started(tmp_path, "python")["argv"] == [str(REPO / "train_ddp.py"), "--help"]
+    real = run(["bash", "launch.sh", "0,1", "-h"], env={"PATH": env["PATH"]}, timeout=60)  # real python
+    assert real.returncode == 0, real.stderr
+    assert real.stdout.count("usage: train_ddp.py") == 1 and "--time-limit" in real.stdout
+
+
+def test_a_python_given_without_torchrun_also_runs_the_ranks(env, tmp_path):
+    """PYTHON names the environment: the ranks must not run under another one's torchrun found on PATH."""
+    other = _script(tmp_path / "bin" / "torchrun", f"#!/bin/sh\ntouch {tmp_path / 'other_torchrun'}\n")
+    result = run(["bash", "launch.sh", "cpu:2", "--epochs", "1"], env={**env, "TORCHRUN": ""}, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert other.exists() and not (tmp_path / "other_torchrun").exists()
+    ranks = started(tmp_path, "python")  # the spy records its last start: the ranks', after the pre-flight's
+    assert ranks["argv"][:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert ranks["argv"][-3:] == [str(REPO / "train_ddp.py"), "--epochs", "1"]
+
+
+def test_a_hung_nvidia_smi_stops_the_launch_with_a_message(env, tmp_path):
+    _script(tmp_path / "bin" / "nvidia-smi", "#!/bin/sh\nsleep 60\n")
+    began = time.monotonic()
+    result = run(["bash", "launch.sh", "0", "--epochs", "1"], env={**env, "NVIDIA_SMI_TIMEOUT": "1"}, timeout=30)
+    assert result.returncode == 2 and time.monotonic() - began < 20
+    assert "nvidia-smi -L failed or did not answer within 1 s" in result.stderr
+    assert started(tmp_path) is None and started(tmp_path, "python") is None
+    bad = run(["bash", "launch.sh", "0"], env={**env, "NVIDIA_SMI_TIMEOUT": "soon"}, timeout=30)
+    assert bad.returncode == 2 and "NVIDIA_SMI_TIMEOUT must be a number of seconds, got 'soon'" in bad.stderr

@@ -113,7 +113,7 @@ def test_each_node_launches_on_its_own_allocated_gpus(cluster):
     options = srun["argv"][: srun["argv"].index("bash")]
     assert "--cpus-per-task=16" in options, "steps no longer inherit the batch's --cpus-per-task (SLURM >= 22.05)"
     assert "--ntasks-per-node=1" in options and "--kill-on-bad-exit=1" in options
-    assert srun["env"]["MASTER_ADDR"] == "node-a" and srun["env"]["MASTER_PORT"] == "29500"
+    assert srun["env"]["MASTER_ADDR"] == "node-a" and srun["env"]["MASTER_PORT"] == str(15000 + 4242)
 
     extra = ["--data-dir", "/data/my set", "--epochs", "3"]
     for rank, gpus in [(0, "4,5,6,7"), (1, "0,2")]:
@@ -122,10 +122,35 @@ def test_each_node_launches_on_its_own_allocated_gpus(cluster):
         assert launch["argv"] == [gpus, "--out-dir", "runs/unet3d", "--time-limit", "23:50:00", *extra]
         env = launch["env"]
         assert (env["NODE_RANK"], env["NNODES"], env["MASTER_ADDR"]) == (str(rank), "2", "node-a")
-        assert (env["MASTER_PORT"], env["RDZV_ID"]) == ("29500", "4242")
+        assert (env["MASTER_PORT"], env["RDZV_ID"]) == (str(15000 + 4242), "4242")
         assert launch["cwd"] == str(cluster["submit"]) and env["STUB_VENV"] == str(cluster["submit"])
     assert sorted(p.name for p in cluster["records"].iterdir()) == ["launch-0.json", "launch-1.json", "srun.json"]
 
+
+
+def test_jobs_get_ports_of_their_own_and_a_given_port_is_kept(cluster):
+    """Two jobs whose first node is the same must not meet at one rendezvous store (job ids 15000 apart share a
+    port: MASTER_PORT overrides it)."""
+    ports = set()
+    for job in ("4242", "4243", "99"):
+        assert sbatch(cluster, [{"CUDA_VISIBLE_DEVICES": "0"}] * 2, SLURM_JOB_ID=job).returncode == 0
+        ports.add(recorded(cluster, "launch-0")["env"]["MASTER_PORT"])
+    assert len(ports) == 3 and all(15000 <= int(p) < 30000 for p in ports), ports
+    assert sbatch(cluster, [{"CUDA_VISIBLE_DEVICES": "0"}] * 2, MASTER_PORT="29611").returncode == 0
+    assert recorded(cluster, "launch-1")["env"]["MASTER_PORT"] == "29611"
+
+
+def test_the_log_goes_where_slurm_can_write_it_in_a_fresh_clone():
+    """SLURM creates no folder for --output or --error: a job whose log folder is missing (runs/ is ignored by
+    git, so a fresh clone has none) fails before its first line, without a log to say why."""
+    directives = [line.split(None, 1)[1] for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH ")]
+    logs = [d.split("=", 1)[1] for d in directives if d.startswith(("--output=", "--error=", "-o ", "-e "))]
+    assert logs, directives
+    for log in logs:
+        assert Path(log).parent == Path("."), f"{log}: SLURM would need that folder to exist"
+    body = SBATCH.read_text().split("\n#SBATCH ")[-1].splitlines()[1:]
+    first_command = next(line for line in body if line.strip() and not line.startswith("#"))
+    assert all(SBATCH.read_text().index(d) < SBATCH.read_text().index(first_command) for d in directives)
 
 @pytest.mark.parametrize(
     ("gpu_vars", "expected"),
