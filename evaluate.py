@@ -24,6 +24,7 @@ from typing import Any
 
 import nibabel as nib
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from data.check import label_problems
@@ -72,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", help="output folder (default: eval_SPLIT beside the checkpoints folder)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--gpu", help="physical GPU id(s) as nvidia-smi numbers them, e.g. 5 or 5,6,7 (sharded)")
-    where.add_argument("--device", help="cpu or cuda:N (default: the first visible GPU, else the CPU)")
+    where.add_argument(
+        "--device",
+        help="cpu or cuda:N, N in CUDA's numbering of the visible GPUs, not masked (--gpu takes nvidia-smi's); "
+        "default: the first visible GPU, else the CPU",
+    )
     p.add_argument("--workers", type=int, default=1, help="with --device cpu: shard the cases over N processes")
     p.add_argument("--window", type=int, nargs="+", metavar="N", help="sliding window (default: the training patch)")
     p.add_argument("--overlap", type=float, default=0.5, help="sliding-window overlap (default: 0.5)")
@@ -227,6 +232,7 @@ def predict_cases(args, predictor: Predictor, cases, owner, out: Path, first: bo
             skipped.append(case.name)  # written by an earlier run (writes are atomic: it is complete)
             continue
         began = time.perf_counter()
+        out_of_memory = False
         try:
             image, nii = load_case_image(case, predictor.in_channels)
             ref = None
@@ -241,6 +247,19 @@ def predict_cases(args, predictor: Predictor, cases, owner, out: Path, first: bo
         except (ValueError, FileNotFoundError, OSError) as e:
             errors.append(f"{case.name}: {e}")
             tqdm.write(f"error: {case.name}: {e}", file=sys.stderr)
+            continue
+        except torch.OutOfMemoryError as e:  # one large scan: reported, its memory freed, the rest predicted
+            first_line = str(e).splitlines()[0] if str(e) else "out of memory"
+            message = (
+                f"{case.name}: out of memory on {predictor.device} ({first_line}); a smaller --sw-batch-size, "
+                "--amp, or --device cpu may fit it"
+            )
+            errors.append(message)
+            tqdm.write(f"error: {message}", file=sys.stderr)
+            out_of_memory = True  # the failed case's tensors go with the exception, at the end of this clause
+        if out_of_memory:
+            if predictor.device.type == "cuda":
+                torch.cuda.empty_cache()  # what the failed case held, back to the driver before the next one
             continue
         save_prediction(pred, nii, target)
         if native is not None:

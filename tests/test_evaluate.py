@@ -195,3 +195,34 @@ def test_cases_sharded_over_workers_are_scored_as_by_one_with_undefined_hd95(wei
     assert rows_two == rows_one
     assert two["classes"] == one["classes"] and two["classes"]["lesion"]["hd95_undefined"] == 2
     assert two["mean_dice"] == one["mean_dice"] == 0
+
+
+def test_a_case_that_runs_out_of_memory_is_one_failed_case_and_the_rest_is_scored(
+    weights, tiny_dataset, tmp_path, capsys, monkeypatch
+):
+    """One scan too large for the GPU must not end the evaluation without a summary (the device's memory is
+    played by a predict that raises torch's OutOfMemoryError for that case)."""
+    from unet3d.inference.predictor import Predictor
+
+    real, calls = Predictor.predict, []
+
+    def predict(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB\nmore detail")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Predictor, "predict", predict)
+    torch.save(weights, tmp_path / "w.pt")
+    out = tmp_path / "eval"
+    argv = ["--checkpoint", str(tmp_path / "w.pt"), "--data-dir", str(tiny_dataset), "--split", "test"]
+    assert evaluate.main([*argv, "--out-dir", str(out), "--device", "cpu", "--window", "16"]) == 1
+    err = capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_cases"] == 2 and summary["num_scored"] == 1 and len(summary["errors"]) == 1
+    (failed,) = {"synth_006", "synth_007"} - {
+        r["case"] for r in csv.DictReader((out / "metrics.csv").read_text().splitlines())
+    }
+    expected = f"{failed}: out of memory on cpu (CUDA out of memory. Tried to allocate 9.00 GiB); a smaller"
+    assert summary["errors"][0].startswith(expected) and f"error: {expected}" in err, err
+    assert not (out / "predictions" / f"{failed}.nii.gz").exists() and len(calls) == 2

@@ -4,8 +4,10 @@ score and the post-processing decision), then ensembled on the test split agains
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,3 +84,40 @@ def test_fold_all_trains_on_every_case_without_validation(folds):
 def run_ok(args: list[str]) -> None:
     """evaluate.py in this process (its command line as a subprocess is walked by test_launch_modes)."""
     assert evaluate.main(["--device", "cpu", *args]) == 0
+
+
+def test_segmenting_a_folder_with_the_folds_tta_and_post_processing_as_the_readme_says(folds):
+    """The README's step 3 as a command line: the folds' ensemble with mirroring TTA and a post-processing file
+    on a folder of scans, sharded over two processes (`--device cpu --workers 2` standing for `--gpu 0,1`).
+    Every output is the unsharded, unprocessed ensemble's label map with only each named class's largest
+    component kept, on its input's grid."""
+    import nibabel as nib
+
+    from unet3d.inference.postprocess import largest_component
+
+    checkpoints = [str(folds / f"fold{f}" / "checkpoints" / "best.pt") for f in (0, 1)]
+    (images,) = (folds / "syn").glob("*/imagesTs")
+    rules = folds / "rules.json"
+    rules.write_text(json.dumps({"largest_component": ["organ", "lesion"]}))
+    common = [sys.executable, "evaluate.py", "--checkpoint", *checkpoints, "--images", str(images), "--tta"]
+    sharded = run(
+        [*common, "--postprocess", str(rules), "--out-dir", str(folds / "seg"), "--device", "cpu", "--workers", "2"],
+        timeout=240,
+    )
+    assert sharded.returncode == 0, sharded.stdout + sharded.stderr
+    plain = run([*common, "--out-dir", str(folds / "seg_plain"), "--device", "cpu"], timeout=240)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+
+    summary = json.loads((folds / "seg" / "summary.json").read_text())
+    assert summary["split"] == "images" and summary["num_cases"] == 4 and summary["errors"] == []
+    assert summary["inference"]["tta"] is True and summary["inference"]["ensemble"] == 2
+    assert summary["inference"]["postprocess"]["largest_component"] == ["organ", "lesion"]
+    scans = sorted(images.glob("*.nii.gz"))
+    assert len(scans) == 4
+    for scan in scans:
+        source = nib.load(scan)
+        out = nib.load(folds / "seg" / scan.name)
+        assert out.shape == source.shape and np.array_equal(out.affine, source.affine)
+        raw = np.asarray(nib.load(folds / "seg_plain" / scan.name).dataobj)
+        expected = largest_component(largest_component(raw, 1), 2)
+        assert np.array_equal(np.asarray(out.dataobj), expected), scan.name

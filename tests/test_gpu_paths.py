@@ -277,3 +277,21 @@ def test_a_resume_in_another_memory_format_gives_the_buffers_the_weights_strides
         buffer = state.optimizer.state[param]["momentum_buffer"]
         assert buffer.stride() == param.stride(), index
         torch.testing.assert_close(buffer, saved_state[index]["momentum_buffer"])
+
+
+def test_ranks_that_resolve_another_precision_are_refused():
+    """V100s beside A100s: `--amp auto` is fp16 with loss scaling on some ranks, bf16 on the others."""
+    from unet3d.training.runtime import check_same_precision
+
+    same = [(f"node{i}, cuda:0 = NVIDIA A100", "torch.bfloat16", "contiguous") for i in range(4)]
+    assert check_same_precision("auto", same) is None
+    mixed = [*same[:3], ("node3, cuda:0 = Tesla V100-SXM2-32GB", "torch.float16", "contiguous")]
+    with pytest.raises(
+        ValueError,
+        match=r"--amp auto resolved differently on the ranks \(.*rank 3 \(node3, cuda:0 = "
+        r"Tesla V100-SXM2-32GB\): torch.float16, contiguous\): they must train in one precision",
+    ):
+        check_same_precision("auto", mixed)
+    layouts = [same[0], (same[1][0], "torch.bfloat16", "channels_last")]
+    with pytest.raises(ValueError, match="give --amp fp16 \\(or off\\) and --memory-format"):
+        check_same_precision("auto", layouts)

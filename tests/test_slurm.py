@@ -127,7 +127,6 @@ def test_each_node_launches_on_its_own_allocated_gpus(cluster):
     assert sorted(p.name for p in cluster["records"].iterdir()) == ["launch-0.json", "launch-1.json", "srun.json"]
 
 
-
 def test_jobs_get_ports_of_their_own_and_a_given_port_is_kept(cluster):
     """Two jobs whose first node is the same must not meet at one rendezvous store (job ids 15000 apart share a
     port: MASTER_PORT overrides it)."""
@@ -151,6 +150,7 @@ def test_the_log_goes_where_slurm_can_write_it_in_a_fresh_clone():
     body = SBATCH.read_text().split("\n#SBATCH ")[-1].splitlines()[1:]
     first_command = next(line for line in body if line.strip() and not line.startswith("#"))
     assert all(SBATCH.read_text().index(d) < SBATCH.read_text().index(first_command) for d in directives)
+
 
 @pytest.mark.parametrize(
     ("gpu_vars", "expected"),

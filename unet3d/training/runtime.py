@@ -73,14 +73,37 @@ def make_runtime(cfg: TrainConfig, info: dist.DistInfo, run: RunData) -> Runtime
     """The Runtime of this rank, for training on `run`'s data (planned and cached)."""
     cfg = resolve_config(cfg, run, info)
     amp_dtype = resolve_amp(cfg.amp, info.device)
+    memory_format = resolve_memory_format(cfg.memory_format, info.device, amp_dtype)
     torch.backends.cudnn.benchmark = True  # one patch size throughout: let cuDNN pick its fastest kernels
+    where = f"{socket.gethostname()}, {info.device}"
+    if info.device.type == "cuda":
+        where += f" = {torch.cuda.get_device_name(info.device)}"
+    ranks = dist.all_gather_object((where, str(amp_dtype), format_name(memory_format)))
+    check_same_precision(cfg.amp, ranks)  # every rank has the same list: all raise or none
     return Runtime(
         cfg=cfg,
         dist=info,
         amp_dtype=amp_dtype,
-        memory_format=resolve_memory_format(cfg.memory_format, info.device, amp_dtype),
+        memory_format=memory_format,
         steps_per_epoch=cfg.samples_per_epoch // (cfg.batch_size * info.world_size),
-        where=tuple(dist.all_gather_object(f"{socket.gethostname()}, {info.device}")),
+        where=tuple(w for w, _, _ in ranks),
+    )
+
+
+def check_same_precision(amp: str, ranks: list[tuple[str, str, str]]) -> None:
+    """Refuse a job whose ranks resolved `--amp` (or the memory format) differently: on GPUs of two kinds
+    (V100s beside A100s) `auto` gives fp16 with loss scaling on some ranks and bf16 without on others, and
+    DistributedDataParallel would average scaled with unscaled gradients.
+
+    Args:
+        ranks: every rank's (host and device, precision, memory format), in rank order.
+    """
+    if len({(dtype, layout) for _, dtype, layout in ranks}) <= 1:
+        return
+    listed = "; ".join(f"rank {i} ({w}): {dtype}, {layout}" for i, (w, dtype, layout) in enumerate(ranks))
+    raise ValueError(
+        f"--amp {amp} resolved differently on the ranks ({listed}): they must train in one precision and "
+        "layout; give --amp fp16 (or off) and --memory-format for a job across these GPUs"
     )
 
 
