@@ -354,6 +354,12 @@ def plan_network(median_shape: Sequence[int], spacing: Sequence[float], request:
     levels = len(request.features) if request.features else request.max_levels
     patch = request.patch_size or _patch_for(median_shape, spacing, request.patch_voxels)
     kernels, strides = plan_topology(spacing, patch, levels)
+    if len(strides) < 2 and not request.features:
+        raise ValueError(
+            f"a patch of {[int(p) for p in patch]} voxels at {[round(float(s), 3) for s in spacing]} mm (the median "
+            f"case in the planned space is {[int(m) for m in median_shape]}) allows no downsampling: a U-Net needs "
+            "an axis of 8 or more voxels to halve; give a finer --spacing or a larger --patch-size"
+        )
     if request.features and len(strides) < levels:
         raise ValueError(
             f"--features {list(request.features)} asks for {levels} levels, but a patch of "

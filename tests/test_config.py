@@ -134,3 +134,16 @@ def test_more_levels_than_the_patch_allows_is_refused_in_plain_numbers():
     with pytest.raises(ValueError) as err:
         planned(TrainConfig(features=(8, 16, 32, 64, 128), patch_size=(40, 40, 40)), "cpu", (90, 100, 90), (2, 2, 2))
     assert "asks for 5 levels, but a patch of [40, 40, 40] at [2.0, 2.0, 2.0] mm allows 4" in str(err.value)
+
+
+def test_a_median_case_too_small_for_any_downsampling_is_refused_with_its_numbers():
+    """Without the check the network's constructor failed ('features needs at least two positive entries'),
+    naming neither the data nor a remedy."""
+    with pytest.raises(ValueError) as err:
+        planned(TrainConfig(), "cpu", (6, 7, 6), (2, 2, 2))
+    assert (
+        "a patch of [6, 7, 6] voxels at [2.0, 2.0, 2.0] mm (the median case in the planned space is [6, 7, 6])"
+        in str(err.value)
+    )
+    assert "give a finer --spacing or a larger --patch-size" in str(err.value)
+    assert len(planned(TrainConfig(), "cpu", (8, 8, 8), (2, 2, 2)).strides) == 2, "8 voxels halve once"
