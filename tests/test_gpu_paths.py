@@ -295,3 +295,17 @@ def test_ranks_that_resolve_another_precision_are_refused():
     layouts = [same[0], (same[1][0], "torch.bfloat16", "channels_last")]
     with pytest.raises(ValueError, match="give --amp fp16 \\(or off\\) and --memory-format"):
         check_same_precision("auto", layouts)
+
+
+def test_probabilities_go_back_to_a_fine_scans_grid_on_the_host_when_it_would_not_fit(monkeypatch):
+    """A 0.7 mm CT planned at 1.5 mm: its logits fit on the GPU, its own grid's resampling buffers (ten times
+    the voxels) do not; evaluation and validation take the probabilities to the host for that step."""
+    from unet3d.inference.sliding_window import RESAMPLE_BYTES_PER_VOXEL, accumulator_device, resampling_device
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * 2**30, 16 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    planned, native = 240 * 240 * 256, 512 * 512 * 600
+    assert accumulator_device(GPU, 4 * 3 * planned * 4) == GPU, "the planned volume's logits fit"
+    assert RESAMPLE_BYTES_PER_VOXEL * native > 2 * 2**30 and resampling_device(GPU, native) == CPU
+    assert resampling_device(GPU, planned) == GPU and resampling_device(CPU, native) == CPU

@@ -176,3 +176,22 @@ def test_the_largest_component_rule_is_chosen_only_where_it_helps():
     assert postprocess.decide([(two_lesions, ref_two)], CLASSES)["largest_component"] == []
     applied = postprocess.apply(noisy, {"largest_component": ["organ"]}, CLASSES)
     assert np.array_equal(applied, ref)
+
+
+def test_the_way_back_to_each_scans_grid_asks_where_it_fits(folder, tmp_path, monkeypatch):
+    """Every prediction asks `resampling_device` for its own cropped grid's voxel count (on a GPU the answer
+    may be the host); the labels are the same wherever the resampling runs."""
+    from unet3d.inference import predictor
+
+    asked = []
+
+    def spy(device, voxels):
+        asked.append(voxels)
+        return torch.device("cpu")
+
+    monkeypatch.setattr(predictor, "resampling_device", spy)
+    checkpoint = two_channel_checkpoint(tmp_path / "model.pt")
+    out = tmp_path / "seg"
+    argv = ["--checkpoint", str(checkpoint), "--images", str(folder), "--out-dir", str(out), "--device", "cpu"]
+    assert evaluate.main(argv) == 1, "the corrupt file fails, as without the spy"
+    assert sorted(asked) == sorted([20 * 18 * 12, 20 * 18 * 12, 6 * 22 * 24]), "the noise is nowhere zero: no crop"

@@ -77,6 +77,18 @@ def accumulator_device(device: torch.device, nbytes: int) -> torch.device:
     return device if nbytes <= GPU_SHARE * (free + cached) else torch.device("cpu")
 
 
+RESAMPLE_BYTES_PER_VOXEL = 16  # taking probabilities back to a file's grid: the running maximum, the winning
+# class, an interpolation buffer and a thick axis's intermediate, per voxel of the (cropped) native grid
+
+
+def resampling_device(device: torch.device, native_voxels: int) -> torch.device:
+    """Where planned-space probabilities on `device` are taken back to a file's grid of `native_voxels` (cropped):
+    on their GPU while that fits as the stitching does (`accumulator_device`), else on the host. A scan finer
+    than the planned spacing has more voxels on its own grid than in the planned space (a 0.7 mm CT planned at
+    1.5 mm: ten times), which the stitching's choice did not count."""
+    return accumulator_device(device, RESAMPLE_BYTES_PER_VOXEL * native_voxels)
+
+
 def volume_bytes(num_classes: int, voxels: int, tta: bool) -> int:
     """float32 bytes alive at once for one volume of `voxels`: the stitched logits and their weights, then
     the softmax beside the logits; with TTA also the running sum of probabilities and a mirrored copy."""
