@@ -40,7 +40,7 @@ def env(tmp_path) -> dict[str, str]:
             tmp_path / f"{name}-spy",
             f"#!{sys.executable}\nimport json, os, sys\n"
             f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({record!r}, 'w'))\n"
-            "sys.exit(int(os.environ.get('SPY_EXIT', '0')))\n",
+            f"sys.exit(int(os.environ.get('SPY_EXIT_{name.upper()}', os.environ.get('SPY_EXIT', '0'))))\n",
         )
     return {
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
@@ -292,3 +292,20 @@ def test_a_hung_nvidia_smi_stops_the_launch_with_a_message(env, tmp_path):
     assert started(tmp_path) is None and started(tmp_path, "python") is None
     bad = run(["bash", "launch.sh", "0"], env={**env, "NVIDIA_SMI_TIMEOUT": "soon"}, timeout=30)
     assert bad.returncode == 2 and "NVIDIA_SMI_TIMEOUT must be a number of seconds, got 'soon'" in bad.stderr
+
+
+def test_one_gpu_id_starts_one_process_on_that_card(env, tmp_path):
+    """`bash launch.sh 5` (here 2): one rank, masked to that card, which is its cuda:0."""
+    result = run(["bash", "launch.sh", "2", "--epochs", "1"], env=env, timeout=30)
+    assert result.returncode == 0, result.stderr
+    spy = started(tmp_path)
+    assert spy["env"]["CUDA_VISIBLE_DEVICES"] == "2" and spy["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert spy["argv"][:3] == ["--standalone", "--nproc-per-node", "1"]
+    assert started(tmp_path, "python")["env"]["WORLD_SIZE"] == "1"
+    assert "  rank 0 -> cuda:0 -> physical GPU 2: NVIDIA H100 80GB HBM3" in result.stdout
+
+
+def test_the_exit_code_of_the_ranks_is_the_launchers(env, tmp_path):
+    """A job whose ranks fail (torchrun exits non-zero once its restarts are spent) must not look successful."""
+    result = run(["bash", "launch.sh", "cpu:2", "--epochs", "1"], env={**env, "SPY_EXIT_TORCHRUN": "3"}, timeout=30)
+    assert result.returncode == 3 and started(tmp_path) is not None
