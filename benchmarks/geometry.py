@@ -54,6 +54,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -226,17 +227,19 @@ def label_round_trip(seed: int, test_cases: int) -> dict[str, dict[str, dict[str
     return scores
 
 
-def evaluate(checkpoint: Path, data: Path, geometry: str, out: Path, log: Path, tta: bool = False) -> dict:
-    """evaluate.py --split test on `data` (acquired with `geometry`): mean Dice, per class, over the default
-    split's cases and per protocol (`protocol_scores`), in a folder emptied first, so nothing of an earlier
-    benchmark is left among its files; with `tta`, also the mean Dice with mirroring TTA (`evaluate.py --tta`,
-    in OUT_tta) as "tta_mean_dice", and its other scores under "tta"."""
+def evaluate(
+    checkpoint: Path, data: Path, geometry: str, out: Path, log: Path, tta: bool = False, extra: Sequence[str] = ()
+) -> dict:
+    """evaluate.py --split test on `data` (acquired with `geometry`), with the options `extra`: mean Dice, per
+    class, over the default split's cases and per protocol (`protocol_scores`), in a folder emptied first, so
+    nothing of an earlier benchmark is left among its files; with `tta`, also the mean Dice with mirroring TTA
+    (`evaluate.py --tta`, in OUT_tta) as "tta_mean_dice", and its other scores under "tta"."""
     result = {}
     for mirrored in (False, True) if tta else (False,):
         folder = out.with_name(out.name + "_tta") if mirrored else out
         shutil.rmtree(folder, ignore_errors=True)
         command = [sys.executable, "evaluate.py", "--checkpoint", str(checkpoint), "--split", "test", "--device", "cpu"]
-        command += ["--out-dir", str(folder), "--data-dir", str(data)] + (["--tta"] if mirrored else [])
+        command += ["--out-dir", str(folder), "--data-dir", str(data), *extra] + (["--tta"] if mirrored else [])
         logged(command, log.with_name(log.stem + "_tta" + log.suffix) if mirrored else log)
         summary = json.loads((folder / "summary.json").read_text())
         parts = protocol_scores(folder / "metrics.csv", geometry)
@@ -259,7 +262,8 @@ def run(name: str, extra: list[str], seed: int, data: Path, args: argparse.Names
     checkpoint = out / "checkpoints" / f"{args.checkpoint}.pt"
     geometry = extra[extra.index("--synthetic-geometry") + 1]
     log = out.parent / f"{out.name}.eval.log"
-    return checkpoint, evaluate(checkpoint, data, geometry, out / "eval_test", log, args.tta)
+    eval_args = shlex.split(args.eval_args)
+    return checkpoint, evaluate(checkpoint, data, geometry, out / "eval_test", log, args.tta, eval_args)
 
 
 def line(name: str, r: dict, base: dict | None) -> str:
@@ -298,6 +302,11 @@ def main(argv=None) -> int:
         "--train-args",
         default="",
         help='more options for every training run, one string (e.g. --train-args="--label-targets hard")',
+    )
+    p.add_argument(
+        "--eval-args",
+        default="",
+        help='more options for every evaluation, one string (e.g. --eval-args="--overlap 0.75")',
     )
     p.add_argument(
         "--tta", action="store_true", help="also evaluate every model with mirroring TTA (evaluate.py --tta)"
@@ -385,7 +394,8 @@ def main(argv=None) -> int:
                     cross[name] = (checkpoints[model], protocol, scans[protocol], f"{model}-{protocol}")
         for name, (checkpoint, geometry, scans, tag) in cross.items():
             folder = f"cross-{tag}-model-seed{seed}" if tag in ("mixed", "uniform") else f"cross-{tag}-seed{seed}"
-            runs[name] = evaluate(checkpoint, scans, geometry, out / folder, out / f"{folder}.log", args.tta)
+            log = out / f"{folder}.log"
+            runs[name] = evaluate(checkpoint, scans, geometry, out / folder, log, args.tta, shlex.split(args.eval_args))
         if args.specialists:
             scans = write_datasets(out, seed, args.test_cases, SINGLE_PROTOCOLS)
             evaluated = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from pathlib import Path
 
 import nibabel as nib
 import numpy as np
@@ -136,9 +137,29 @@ def test_train_args_reach_every_training_run(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "logged", lambda command, log: commands.append(command))
     monkeypatch.setattr(bench, "evaluate", lambda *a, **k: {"mean_dice": 0.5})
     args = bench.argparse.Namespace(out=str(tmp_path), time_limit=5, checkpoint="last", tta=False)
-    args.train_args = "--label-targets hard --fg-fraction 0.5"
+    args.train_args, args.eval_args = "--label-targets hard --fg-fraction 0.5", ""
     bench.run("mixed", ["--synthetic-geometry", "mixed"], 0, tmp_path, args)
     (command,) = commands
     assert command[:3] == ["bash", "launch.sh", "cpu:2"]
     assert command[-4:] == ["--label-targets", "hard", "--fg-fraction", "0.5"]
     assert command[command.index("--synthetic-geometry") + 1] == "mixed"
+
+
+def test_eval_args_reach_every_evaluation(tmp_path, monkeypatch):
+    """--eval-args is split as a shell would and given to each evaluate.py command, with and without TTA."""
+    commands = []
+
+    def logged(command, log):
+        commands.append(command)
+        out = Path(command[command.index("--out-dir") + 1])
+        out.mkdir(parents=True)
+        (out / "metrics.csv").write_text("case,class,class_name,dice\nsynth_004,1,organ,0.9\n")
+        summary = {"mean_dice": 0.9, "num_scored": 1, "classes": {"organ": {"dice": {"mean": 0.9}}}}
+        (out / "summary.json").write_text(json.dumps(summary))
+
+    monkeypatch.setattr(bench, "logged", logged)
+    result = bench.evaluate(tmp_path / "last.pt", tmp_path, "uniform", tmp_path / "e", tmp_path / "e.log", True,
+                            ["--overlap", "0.75"])  # fmt: skip
+    assert len(commands) == 2 and result["mean_dice"] == result["tta_mean_dice"] == 0.9
+    for command, mirrored in zip(commands, (False, True)):
+        assert command[command.index("--overlap") + 1] == "0.75" and ("--tta" in command) == mirrored
