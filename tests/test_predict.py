@@ -181,7 +181,7 @@ def test_the_largest_component_rule_is_chosen_only_where_it_helps():
 def test_the_way_back_to_each_scans_grid_asks_where_it_fits(folder, tmp_path, monkeypatch):
     """Every prediction asks `resampling_device` for its own cropped grid's voxel count (on a GPU the answer
     may be the host); the labels are the same wherever the resampling runs."""
-    from unet3d.inference import predictor
+    from unet3d.inference import sliding_window
 
     asked = []
 
@@ -189,7 +189,7 @@ def test_the_way_back_to_each_scans_grid_asks_where_it_fits(folder, tmp_path, mo
         asked.append(voxels)
         return torch.device("cpu")
 
-    monkeypatch.setattr(predictor, "resampling_device", spy)
+    monkeypatch.setattr(sliding_window, "resampling_device", spy)
     checkpoint = two_channel_checkpoint(tmp_path / "model.pt")
     out = tmp_path / "seg"
     argv = ["--checkpoint", str(checkpoint), "--images", str(folder), "--out-dir", str(out), "--device", "cpu"]

@@ -4,7 +4,6 @@ out). They must share their classes and their preprocessing (the plan's), so one
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from data.plan import Plan, legacy_plan
 from data.preprocess import Planned, preprocess
 from unet3d.checkpoint import load_model
 from unet3d.inference import postprocess
-from unet3d.inference.sliding_window import InferenceSettings, predict_probabilities, resampling_device
+from unet3d.inference.sliding_window import InferenceSettings, for_resampling, predict_probabilities
 from unet3d.model import UNet3D, fit_patch
 from unet3d.precision import apply_memory_format
 
@@ -119,7 +118,7 @@ class Predictor:
         are applied to the labels. A `label` is brought into the planned space too (for pictures)."""
         planned = preprocess(image, affine, self.plan, label, len(self.class_names))
         probs = self.probabilities(planned, members)
-        back = probs.to(resampling_device(probs.device, math.prod(planned.geometry.cropped_shape)))
+        back = for_resampling(probs, planned.geometry.cropped_shape)
         labels = postprocess.apply(to_native(back, planned.geometry), self.rules, self.class_names)
         native = to_native_probabilities(back, planned.geometry) if with_probabilities else None
         return labels, planned, probs, native

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -87,6 +88,12 @@ def resampling_device(device: torch.device, native_voxels: int) -> torch.device:
     than the planned spacing has more voxels on its own grid than in the planned space (a 0.7 mm CT planned at
     1.5 mm: ten times), which the stitching's choice did not count."""
     return accumulator_device(device, RESAMPLE_BYTES_PER_VOXEL * native_voxels)
+
+
+def for_resampling(probs: torch.Tensor, native_shape: Sequence[int]) -> torch.Tensor:
+    """`probs` (K, *planned) where they are to be taken back to a (cropped) native grid of `native_shape`:
+    where they are, or on the host (`resampling_device`)."""
+    return probs.to(resampling_device(probs.device, math.prod(native_shape)))
 
 
 def volume_bytes(num_classes: int, voxels: int, tta: bool) -> int:

@@ -11,7 +11,6 @@ Each rank runs the unwrapped model, never the DDP wrapper, so no rank waits on a
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from data.geometry import to_native
 from data.patches import PreparedCase
 from unet3d.inference.metrics import confusion_counts, dice_from_counts
 from unet3d.inference.pictures import Preview, middle_planes
-from unet3d.inference.sliding_window import InferenceSettings, predict_probabilities, resampling_device
+from unet3d.inference.sliding_window import InferenceSettings, for_resampling, predict_probabilities
 from unet3d.training import dist
 from unet3d.training.config import TrainConfig
 from unet3d.training.control import StepControl, StopReason
@@ -74,7 +73,7 @@ def validate(
             case = cases[i]
             probs = predict_probabilities(model, case.image, settings, device)
             if case.geometry is not None:  # on the host where the file's grid would not fit beside the model
-                back = probs.to(resampling_device(probs.device, math.prod(case.geometry.cropped_shape)))
+                back = for_resampling(probs, case.geometry.cropped_shape)
                 pred, ref = torch.from_numpy(to_native(back, case.geometry)), case.native_label
                 del back
             else:
