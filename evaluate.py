@@ -28,8 +28,10 @@ import torch
 from tqdm import tqdm
 
 from data.check import label_problems
+from data.geometry import obliquity
 from data.msd import load_dataset_json, run_split
 from data.nifti import load_label, spacing
+from data.plan import OBLIQUE_DEGREES
 from unet3d.inference import postprocess
 from unet3d.inference.cases import InputCase, folder_cases, load_case_image
 from unet3d.inference.devices import choose_device
@@ -242,6 +244,14 @@ def predict_cases(args, predictor: Predictor, cases, owner, out: Path, first: bo
                 problems = label_problems(case.images[0], image.shape[1:], nii, case.label, ref, ref_nii, classes)
                 if problems:  # reported with the other failed cases
                     raise ValueError("; ".join(problems))
+            tilt = obliquity(nii.affine)
+            if predictor.plan.orientation == "RAS" and tilt > OBLIQUE_DEGREES:
+                tqdm.write(
+                    f"warning: {case.name} lies {tilt:.1f} degrees off the scanner's axes: reorientation only "
+                    "permutes and flips axes, so the network may see it turned a whole axis from the training "
+                    "scans",
+                    file=sys.stderr,
+                )
             members = [owner[case.name]] if owner else None
             pred, planned, probs, native = predictor.predict(image, nii.affine, ref, members, args.save_probabilities)
         except (ValueError, FileNotFoundError, OSError) as e:

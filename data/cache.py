@@ -32,6 +32,7 @@ from unet3d.files import atomic_write, atomic_write_text
 
 CACHE_VERSION = 6  # 4: fingerprints measure the shape before the crop (the masked z-score's rule); 5: and the
 # labelled voxels the crop removes; 6: NAME_share.npy, the soft targets
+FINGERPRINT_VERSION = 2  # 2: the obliquity (a change here re-reads the images, not the planned cache)
 
 
 def _sources(case: Case) -> list:
@@ -63,6 +64,7 @@ def fingerprint_cases(
         try:
             stamp = {  # everything the checks depend on: a fingerprint that passed them once may not pass now
                 "version": CACHE_VERSION,
+                "fingerprint": FINGERPRINT_VERSION,
                 "modalities": spec.modalities,
                 "num_classes": spec.num_classes,
                 "sources": _sources(case),

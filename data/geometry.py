@@ -67,6 +67,17 @@ def canonical_ornt(affine: np.ndarray) -> np.ndarray:
     )
 
 
+def obliquity(affine: np.ndarray) -> float:
+    """Degrees: the largest angle between a voxel axis and the world axis that `canonical_ornt` lines it up
+    with; 0 for a scan on the scanner's axes, 20 for one turned 20 degrees about one axis. Near 45 degrees,
+    two scans turned a few degrees apart can be lined up with axes 90 degrees apart."""
+    axes = np.asarray(affine, dtype=np.float64)[:3, :3]
+    axes = axes / np.linalg.norm(axes, axis=0)
+    world = nib.orientations.io_orientation(affine)[:, 0].astype(int)
+    cosines = np.abs(axes[world, np.arange(3)])
+    return float(np.degrees(np.arccos(np.clip(cosines.min(), 0.0, 1.0))))
+
+
 IDENTITY_ORNT = np.array([[0, 1], [1, 1], [2, 1]], dtype=np.float64)
 
 

@@ -26,6 +26,7 @@ from data.geometry import (
     IDENTITY_ORNT,
     canonical_ornt,
     nonzero_box,
+    obliquity,
     reorient,
     reoriented_spacing,
     resampled_shape,
@@ -36,6 +37,7 @@ from unet3d.model import plan_topology
 
 PLAN_VERSION = 1
 FOREGROUND_SAMPLES = 10_000  # CT foreground intensities sampled per case for the dataset statistics
+OBLIQUE_DEGREES = 30.0  # a training case this far off the scanner's axes is named in the pre-flight
 ORIENTATIONS = ("RAS", "none")
 CROPS = ("nonzero", "none")
 ACQUISITION_CHANNELS = ("auto", "off")
@@ -51,6 +53,7 @@ class Fingerprint:
     foreground: dict[int, list[float]] = field(default_factory=dict)  # CT channel -> foreground intensity samples
     full_shape: tuple[int, int, int] | None = None  # spatial shape before the crop (None: not measured)
     cropped_labels: int = 0  # labelled voxels outside the crop's box, which the crop takes away
+    obliquity: float | None = None  # degrees off the scanner's axes (`geometry.obliquity`; None: not measured)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -60,6 +63,7 @@ class Fingerprint:
             "foreground": {str(c): v for c, v in self.foreground.items()},
             "full_shape": list(self.full_shape) if self.full_shape is not None else None,
             "cropped_labels": self.cropped_labels,
+            "obliquity": self.obliquity,
         }
 
     @classmethod
@@ -73,6 +77,7 @@ class Fingerprint:
             foreground=foreground,
             full_shape=full,
             cropped_labels=int(d.get("cropped_labels", 0)),
+            obliquity=float(d["obliquity"]) if d.get("obliquity") is not None else None,
         )
 
     @property
@@ -127,6 +132,7 @@ def fingerprint_arrays(
         foreground=foreground,
         full_shape=tuple(int(s) for s in image.shape[1:]),
         cropped_labels=int(np.count_nonzero(labelled)) - inside,
+        obliquity=obliquity(affine),
     )
 
 
@@ -404,6 +410,28 @@ def crop_losses(fingerprints: Sequence[Fingerprint]) -> str | None:
     return (
         f"{len(lossy)} training case(s) have labelled voxels outside the image's non-zero box, which the crop "
         f"removes from training: {named}{more} (--crop none keeps them)"
+    )
+
+
+def oblique_cases(fingerprints: Sequence[Fingerprint], orientation: str) -> str | None:
+    """A warning naming the training cases more than OBLIQUE_DEGREES off the scanner's axes when they are
+    reoriented (`orientation` "RAS"): reorientation only permutes and flips axes, so scans near 45 degrees
+    can be lined up with axes 90 degrees apart from each other; None when no case is that oblique."""
+    if orientation != "RAS":
+        return None
+    tilted = sorted(
+        (f for f in fingerprints if f.obliquity is not None and f.obliquity > OBLIQUE_DEGREES),
+        key=lambda f: -f.obliquity,
+    )
+    if not tilted:
+        return None
+    named = ", ".join(f"{f.name} ({f.obliquity:.1f} degrees)" for f in tilted[:10])
+    more = f" and {len(tilted) - 10} more" if len(tilted) > 10 else ""
+    return (
+        f"{len(tilted)} training case(s) lie more than {OBLIQUE_DEGREES:g} degrees off the scanner's axes: "
+        f"{named}{more}. Reorientation to RAS only permutes and flips axes, so scans near 45 degrees may be "
+        f"turned a whole axis against each other; resample them onto the scanner's axes before training, or "
+        f"use --orientation none if every case shares one voxel order"
     )
 
 

@@ -15,6 +15,7 @@ from data.geometry import (
     affine_problems,
     canonical_ornt,
     nonzero_box,
+    obliquity,
     reorient,
     resample_label,
     separate_axis,
@@ -237,6 +238,89 @@ def test_oblique_scans_are_fine():
     affine = np.eye(4)
     affine[:3, :3] = rotation @ np.diag([0.8, 0.8, 3.0])
     assert affine_problems(affine, (8, 8, 8), "x") == []
+
+
+def _rotation(axis: int, degrees: float) -> np.ndarray:
+    a, b = [i for i in range(3) if i != axis]
+    c, s = np.cos(np.radians(degrees)), np.sin(np.radians(degrees))
+    r = np.eye(3)
+    r[a, a], r[a, b], r[b, a], r[b, b] = c, -s, s, c
+    return r
+
+
+@pytest.mark.parametrize(
+    ("rotation", "expected"),
+    [
+        (np.eye(3), 0.0),
+        (np.diag([-1.0, -1.0, 1.0]), 0.0),  # LPS
+        (np.array([[0, 0, 1.0], [0, 1, 0], [1, 0, 0]]), 0.0),  # the thick axis first
+        (_rotation(2, 20), 20.0),
+        (_rotation(0, -40), 40.0),
+        (_rotation(1, 50), 40.0),  # lined up with the other axis, 40 degrees away
+        (_rotation(2, 30) @ _rotation(0, 30), float(np.degrees(np.arccos(np.cos(np.radians(30)) ** 2)))),
+    ],
+)
+def test_obliquity_is_the_largest_angle_to_the_axes_reorientation_lines_up(rotation, expected):
+    affine = np.eye(4)
+    affine[:3, :3] = rotation @ np.diag([0.8, 0.8, 3.0])
+    affine[:3, 3] = (10, -20, 5)
+    assert obliquity(affine) == pytest.approx(expected, abs=1e-6)
+
+
+def test_obliquity_does_not_depend_on_the_voxel_order_or_directions():
+    """The same scan stored with its axes permuted and flipped is as oblique: the angle is the scan's, not its
+    array's."""
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        q, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+        affine = np.eye(4)
+        affine[:3, :3] = q @ np.diag(rng.uniform(0.5, 5, 3))
+        stored = affine.copy()
+        stored[:3, :3] = affine[:3, :3][:, rng.permutation(3)] * rng.choice([-1, 1], 3)
+        assert 0 <= obliquity(affine) < 90
+        assert obliquity(stored) == pytest.approx(obliquity(affine), abs=1e-9)
+
+
+def test_scans_near_45_degrees_are_named_in_the_pre_flight(tiny_dataset, tmp_path, capsys):
+    """Reorientation only permutes and flips, so scans near 45 degrees off the scanner's axes can end up 90
+    degrees apart: the pre-flight names every training case more than 30 degrees off (with its angle), not one
+    at 20 degrees, and says nothing with --orientation none. A cache whose fingerprints predate the obliquity
+    is re-read, so the warning is not lost on a dataset fingerprinted before. The job still starts (exit 0)."""
+    import json
+    import shutil
+
+    import nibabel as nib
+
+    from unet3d.training.config import parse_args
+    from unet3d.training.preflight import preflight
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    for name, degrees in (("synth_001", 41), ("synth_002", 20)):
+        for folder in ("imagesTr", "labelsTr"):
+            path = data / folder / f"{name}.nii.gz"
+            nii = nib.load(path)
+            affine = nii.affine.copy()
+            affine[:3, :3] = _rotation(2, degrees) @ affine[:3, :3]
+            nib.save(type(nii)(np.asarray(nii.dataobj), affine, nii.header), path)
+    cache = tmp_path / "cache"
+    args = ["--data-dir", str(data), "--cache-dir", str(cache), "--out-dir", str(tmp_path / "run"), "--prepare-only"]
+    assert preflight(parse_args(args)) == 0
+    out = capsys.readouterr().out
+    assert "1 training case(s) lie more than 30 degrees off the scanner's axes: synth_001 (41.0 degrees)" in out, out
+    assert "synth_002" not in out.split("off the scanner's axes")[1].split("\n")[0]
+
+    files = list(cache.rglob("fingerprints/*/synth_001.json"))
+    assert len(files) == 1, files
+    old = json.loads(files[0].read_text())  # as a cache written before the obliquity was measured
+    del old["obliquity"], old["stamp"]["fingerprint"]
+    files[0].write_text(json.dumps(old))
+    assert preflight(parse_args(args)) == 0
+    assert "synth_001 (41.0 degrees)" in capsys.readouterr().out
+    assert json.loads(files[0].read_text())["obliquity"] == pytest.approx(41.0)
+
+    assert preflight(parse_args([*args, "--orientation", "none"])) == 0
+    assert "off the scanner's axes" not in capsys.readouterr().out
 
 
 # --- the plan --------------------------------------------------------------------------------------------

@@ -195,3 +195,26 @@ def test_the_way_back_to_each_scans_grid_asks_where_it_fits(folder, tmp_path, mo
     argv = ["--checkpoint", str(checkpoint), "--images", str(folder), "--out-dir", str(out), "--device", "cpu"]
     assert evaluate.main(argv) == 1, "the corrupt file fails, as without the spy"
     assert sorted(asked) == sorted([20 * 18 * 12, 20 * 18 * 12, 6 * 22 * 24]), "the noise is nowhere zero: no crop"
+
+
+def test_scans_near_45_degrees_are_named_when_predicted(tmp_path, capsys):
+    """A scan 40 degrees off the scanner's axes is predicted (on its own grid) with a warning naming it and its
+    angle, since reorientation may turn it a whole axis from the training scans; one 10 degrees off is not."""
+    checkpoint = two_channel_checkpoint(tmp_path / "model.pt")
+    rng = np.random.default_rng(1)
+    images = tmp_path / "scans"
+    images.mkdir()
+    for name, degrees in (("tilted", 40.0), ("straight", 10.0)):
+        c, s = np.cos(np.radians(degrees)), np.sin(np.radians(degrees))
+        affine = np.eye(4)
+        affine[:3, :3] = np.array([[c, -s, 0], [s, c, 0], [0, 0, 1]]) @ np.diag([1.0, 1.0, 1.5])
+        nib.save(nib.Nifti1Image(scan(rng), affine), images / f"{name}.nii.gz")
+    out = tmp_path / "seg"
+    argv = ["--checkpoint", str(checkpoint), "--images", str(images), "--out-dir", str(out), "--device", "cpu"]
+    assert evaluate.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning: tilted lies 40.0 degrees off the scanner's axes" in err, err
+    assert "straight" not in err
+    for name in ("tilted", "straight"):
+        pred, image = nib.load(out / f"{name}.nii.gz"), nib.load(images / f"{name}.nii.gz")
+        assert pred.shape == image.shape[:3] and np.allclose(pred.affine, image.affine), name
