@@ -25,7 +25,11 @@ Environment:
                     multi-node: run launch.sh on every node with the same GPU ids; ranks meet through
                     torchrun's c10d rendezvous at MASTER_ADDR:MASTER_PORT (default port 29500); two
                     jobs whose first node is the same need ports of their own
+                    and the job's node ranks: NODE_RANK 0 hosts the rendezvous store (MASTER_ADDR
+                    must be its address, on any of its interfaces)
   RDZV_ID           rendezvous id shared by the nodes (default: $SLURM_JOB_ID, else unet3d)
+  RDZV_TIMEOUT      seconds a node waits for the others to reach the rendezvous (default 600): each
+                    node's pre-flight (a first run's preprocessing) comes before it
   OMP_NUM_THREADS   threads per process (default: CPUs / processes)
   NVIDIA_SMI_TIMEOUT  seconds to wait for `nvidia-smi -L` (default 60; a hung driver stops the launch)
   PYTHON, TORCHRUN  the interpreter and the torchrun command (default: python3; with PYTHON given,
@@ -64,6 +68,9 @@ restarts=$(number "$MAX_RESTARTS") || die "MAX_RESTARTS must be a number >= 0, g
 nodes=$(number "$NNODES") && ((nodes >= 1)) || die "NNODES must be a positive number, got '$NNODES'"
 node_rank=$(number "$NODE_RANK") && ((node_rank < nodes)) ||
   die "NODE_RANK must be in 0..$((nodes - 1)), got '$NODE_RANK'"
+RDZV_TIMEOUT=${RDZV_TIMEOUT:-600}
+rdzv_timeout=$(number "$RDZV_TIMEOUT") && ((rdzv_timeout >= 1)) ||
+  die "RDZV_TIMEOUT must be a positive number of seconds, got '$RDZV_TIMEOUT'"
 MAX_RESTARTS=$restarts NNODES=$nodes NODE_RANK=$node_rank
 if ((NNODES > 1)); then
   [[ -n ${MASTER_ADDR:-} ]] || die "NNODES=$NNODES needs MASTER_ADDR (the address of the node that hosts the rendezvous)"
@@ -155,7 +162,11 @@ if ((NNODES == 1)) && [[ -z ${MASTER_ADDR:-} ]]; then
   rendezvous=(--standalone)
 else
   rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend c10d
-    --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-unet3d}}")
+    --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-unet3d}}"
+    --rdzv-conf "is_host=$((NODE_RANK == 0)),join_timeout=$rdzv_timeout,read_timeout=$rdzv_timeout")
+  # Node 0 hosts the store by its rank: torchrun's own guess matches MASTER_ADDR against the hostname's
+  # addresses only, so an address on another interface (a cluster's InfiniBand IP) made every node a client,
+  # and the job waited for a store that nobody started.
 fi
 exec "${torchrun[@]}" "${rendezvous[@]}" --nproc-per-node "$nproc_per_node" --max-restarts "$MAX_RESTARTS" \
   "$here/train_ddp.py" "$@"

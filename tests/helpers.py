@@ -46,6 +46,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rendezvous_address() -> str:
+    """An address of this machine for a two-node test's MASTER_ADDR: where there is one, a non-loopback IPv4
+    address that torchrun's guess of the store's host does not recognise as this machine's (an address on
+    an interface the hostname does not resolve to, as a cluster's InfiniBand IP), else 127.0.0.1."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    try:
+        listed = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        listed = []
+    for address in listed:
+        if "." in address and not address.startswith("127.") and not _matches_machine_hostname(address):
+            with socket.socket() as s:
+                try:
+                    s.bind((address, 0))
+                except OSError:
+                    continue
+            return address
+    return "127.0.0.1"
+
+
 def _rank_main(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

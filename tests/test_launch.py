@@ -206,17 +206,25 @@ def test_restarts_and_multi_node_rendezvous(env, tmp_path):
         "10.0.0.7:29611",
         "--rdzv-id",
         "job42",
+        "--rdzv-conf",
+        "is_host=0,join_timeout=600,read_timeout=600",
         "--nproc-per-node",
         "2",
         "--max-restarts",
         "5",
     ]
     assert started(tmp_path, "python")["env"]["WORLD_SIZE"] == "4"
+    node0 = run(["bash", "launch.sh", "0,1"], env={**multi, "NODE_RANK": "0", "RDZV_TIMEOUT": "0900"}, timeout=30)
+    assert node0.returncode == 0, node0.stderr
+    argv = started(tmp_path)["argv"]
+    assert argv[argv.index("--rdzv-conf") + 1] == "is_host=1,join_timeout=900,read_timeout=900", "node 0 hosts"
     assert "node 1 local rank 0 -> cuda:0 -> physical GPU 0" in result.stdout
     for bad, message in [
         ({"NNODES": "2"}, "needs MASTER_ADDR"),
         ({"NODE_RANK": "3", "NNODES": "2", "MASTER_ADDR": "x"}, "NODE_RANK must be in 0..1"),
         ({"MAX_RESTARTS": "many"}, "MAX_RESTARTS"),
+        ({"RDZV_TIMEOUT": "0"}, "RDZV_TIMEOUT must be a positive number of seconds, got '0'"),
+        ({"RDZV_TIMEOUT": "10m"}, "RDZV_TIMEOUT must be a positive number of seconds, got '10m'"),
     ]:
         refused = run(["bash", "launch.sh", "cpu"], env={**env, **bad}, timeout=30)
         assert refused.returncode == 2 and message in refused.stderr

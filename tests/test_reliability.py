@@ -17,7 +17,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import REPO, free_port, run, small_synthetic
+from tests.helpers import REPO, free_port, rendezvous_address, run, small_synthetic
 from unet3d.training.config import parse_args
 from unet3d.training.preflight import preflight
 
@@ -361,14 +361,18 @@ def test_time_limit_ends_in_time_with_an_annealed_model_and_a_last_validation(sh
 # --- two nodes ------------------------------------------------------------------------------------------
 
 
-def test_two_nodes_on_loopback_train_and_only_global_rank_0_writes(shared, tmp_path):
+def test_two_nodes_on_one_machine_train_and_only_global_rank_0_writes(shared, tmp_path):
+    """Two "nodes" of one rank each. MASTER_ADDR is an address of this machine that torchrun's own guess of
+    the store's host does not match where the machine has one (`rendezvous_address`): with that guess every
+    node was a client and the job waited for a store nobody hosted; node 0 must host it by its rank."""
     port = free_port()
+    address = rendezvous_address()
     procs = []
     for node in (0, 1):
         env = {
             "NNODES": "2",
             "NODE_RANK": str(node),
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": address,
             "MASTER_PORT": str(port),
             "RDZV_ID": f"test{port}",
         }
