@@ -239,6 +239,8 @@ def test_real_launch_sh_masks_each_node_to_its_allocation(cluster):
             "node-a:29611",
             "--rdzv-id",
             "4242",
+            "--rdzv-conf",
+            f"is_host={int(rank == 0)},join_timeout=600,read_timeout=600",  # SLURM_NODEID 0 hosts the store
             "--nproc-per-node",
             "4",
             "--max-restarts",
