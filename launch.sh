@@ -24,9 +24,8 @@ Environment:
   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT
                     multi-node: run launch.sh on every node with the same GPU ids; ranks meet through
                     torchrun's c10d rendezvous at MASTER_ADDR:MASTER_PORT (default port 29500); two
-                    jobs whose first node is the same need ports of their own
-                    and the job's node ranks: NODE_RANK 0 hosts the rendezvous store (MASTER_ADDR
-                    must be its address, on any of its interfaces)
+                    jobs whose first node is the same need ports of their own. NODE_RANK 0 hosts
+                    the rendezvous store, so MASTER_ADDR must be node 0's address (any interface's)
   RDZV_ID           rendezvous id shared by the nodes (default: $SLURM_JOB_ID, else unet3d)
   RDZV_TIMEOUT      seconds a node waits for the others to reach the rendezvous (default 600): each
                     node's pre-flight (a first run's preprocessing) comes before it
