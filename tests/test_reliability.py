@@ -361,6 +361,23 @@ def test_time_limit_ends_in_time_with_an_annealed_model_and_a_last_validation(sh
 # --- two nodes ------------------------------------------------------------------------------------------
 
 
+def test_node_0_on_a_port_another_job_holds_stops_at_once(shared, tmp_path):
+    """Node 0 hosts the store by its rank: on a port that another job's store holds it stops with the port
+    named (EADDRINUSE), rather than joining that job's store as torchrun's own guess lets it, and writes
+    nothing."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"NNODES": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "MAX_RESTARTS": "0"}
+        result = run(["bash", "launch.sh", "cpu:1", *options(shared, tmp_path / "run", 1)], env=env, timeout=120)
+    assert result.returncode != 0
+    assert f"port: {port}" in result.stderr and "address already in use" in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_two_nodes_on_one_machine_train_and_only_global_rank_0_writes(shared, tmp_path):
     """Two "nodes" of one rank each. MASTER_ADDR is an address of this machine that torchrun's own guess of
     the store's host does not match where the machine has one (`rendezvous_address`): with that guess every
