@@ -399,17 +399,22 @@ def _patch_for(median_shape: Sequence[int], spacing: Sequence[float], budget: in
     return tuple(max(1, int(round(v))) for v in np.minimum(extent * lo, shape))
 
 
+def _first_ten(names: Sequence[str]) -> str:
+    """The first ten of a warning's cases, and how many more there are."""
+    more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+    return ", ".join(names[:10]) + more
+
+
 def crop_losses(fingerprints: Sequence[Fingerprint]) -> str | None:
     """A warning naming the cases whose labels reach outside the image's non-zero box (mask and image
     disagree, e.g. a segmentation beyond the skull-stripping), which the crop removes; None when none do."""
     lossy = [f for f in fingerprints if f.cropped_labels > 0]
     if not lossy:
         return None
-    named = ", ".join(f"{f.name} ({f.cropped_labels} voxels)" for f in lossy[:10])
-    more = f" and {len(lossy) - 10} more" if len(lossy) > 10 else ""
+    named = _first_ten([f"{f.name} ({f.cropped_labels} voxels)" for f in lossy])
     return (
         f"{len(lossy)} training case(s) have labelled voxels outside the image's non-zero box, which the crop "
-        f"removes from training: {named}{more} (--crop none keeps them)"
+        f"removes from training: {named} (--crop none keeps them)"
     )
 
 
@@ -425,11 +430,10 @@ def oblique_cases(fingerprints: Sequence[Fingerprint], orientation: str) -> str 
     )
     if not tilted:
         return None
-    named = ", ".join(f"{f.name} ({f.obliquity:.1f} degrees)" for f in tilted[:10])
-    more = f" and {len(tilted) - 10} more" if len(tilted) > 10 else ""
+    named = _first_ten([f"{f.name} ({f.obliquity:.1f} degrees)" for f in tilted])
     return (
         f"{len(tilted)} training case(s) lie more than {OBLIQUE_DEGREES:g} degrees off the scanner's axes: "
-        f"{named}{more}. Reorientation to RAS only permutes and flips axes, so scans near 45 degrees may be "
+        f"{named}. Reorientation to RAS only permutes and flips axes, so scans near 45 degrees may be "
         f"turned a whole axis against each other; resample them onto the scanner's axes before training, or "
         f"use --orientation none if every case shares one voxel order"
     )
