@@ -347,6 +347,11 @@ def main(argv=None) -> int:
         help="train nothing: print what the planned space costs the test labels, hard and soft (`label_round_trip`)",
     )
     args = p.parse_args(argv)
+    for flag, text in (("--train-args", args.train_args), ("--eval-args", args.eval_args)):
+        try:  # split as every run will, so that a bad quote stops here and not after the first run's training
+            shlex.split(text)
+        except ValueError as err:
+            p.error(f"{flag} {text!r}: {err}")
     if args.test_cases < DEFAULT_TEST:
         p.error(f"--test-cases {args.test_cases}: at least the default split's {DEFAULT_TEST}")
     if args.noise_free_reader:

@@ -163,3 +163,14 @@ def test_eval_args_reach_every_evaluation(tmp_path, monkeypatch):
     assert len(commands) == 2 and result["mean_dice"] == result["tta_mean_dice"] == 0.9
     for command, mirrored in zip(commands, (False, True)):
         assert command[command.index("--overlap") + 1] == "0.75" and ("--tta" in command) == mirrored
+
+
+@pytest.mark.parametrize("flag", ["--train-args", "--eval-args"])
+def test_unbalanced_quote_in_passed_options_stops_before_any_run(flag, tmp_path, monkeypatch, capsys):
+    """A quote left open is named at once (argparse's exit status 2), before a dataset is written or a run trains."""
+    monkeypatch.setattr(bench, "write_datasets", lambda *a, **k: pytest.fail("wrote a dataset"))
+    monkeypatch.setattr(bench, "logged", lambda *a, **k: pytest.fail("ran a command"))
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--out", str(tmp_path), flag, "--overlap '0.75"])
+    assert stopped.value.code == 2
+    assert f'{flag} "--overlap \'0.75": No closing quotation' in capsys.readouterr().err
