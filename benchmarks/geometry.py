@@ -24,6 +24,8 @@ The default dataset's test split has 4 cases (two isotropic, one thick-slice axi
 mixed data), so one case's lesion decides a tenth of the mean. `--test-cases N` writes the datasets with N
 test cases instead (the training cases, and so the runs, are the same: test cases come after them), and
 every line then gives the mean over all N, over the default split's 4 (the first 4), and per protocol.
+`--train-cases N` draws N training anatomies instead of the default 24 (`--synthetic-cases N` for every run;
+the test anatomies come after them, so none is one a model trained on): does the gap close with more data?
 `--noise-free-reader` trains nothing and prints what each acquisition can show at best (`noise_free_reader`).
 `--label-round-trip` trains nothing and prints what the planned space costs each test label, taken there and
 back as a prediction is, with hard targets and with `--label-targets soft`'s (`label_round_trip`).
@@ -84,7 +86,7 @@ from unet3d.loss import target_probabilities  # noqa: E402
 from unet3d.training.config import TrainConfig  # noqa: E402
 
 DEFAULT = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-DEFAULT_DATASET = (DEFAULT["synthetic_cases"], DEFAULT["synthetic_size"])  # the runs leave both at their defaults
+DEFAULT_DATASET = (DEFAULT["synthetic_cases"], DEFAULT["synthetic_size"])  # (training cases, size); --train-cases
 RUNS = {
     "uniform": ["--synthetic-geometry", "uniform"],
     "mixed": ["--synthetic-geometry", "mixed"],
@@ -257,6 +259,7 @@ def run(name: str, extra: list[str], seed: int, data: Path, args: argparse.Names
     shutil.rmtree(out, ignore_errors=True)  # a fresh run: launch.sh would resume the last benchmark's checkpoint
     command = ["bash", "launch.sh", "cpu:2", "--out-dir", str(out), "--time-limit", str(args.time_limit)]
     command += ["--synthetic-dir", str(Path(args.out) / "synthetic"), "--seed", str(seed), *extra]
+    command += ["--synthetic-cases", str(DEFAULT_DATASET[0])]  # the cases write_datasets wrote, test ones after
     command += shlex.split(args.train_args)
     logged(command, out.parent / f"{out.name}.train.log")
     checkpoint = out / "checkpoints" / f"{args.checkpoint}.pt"
@@ -325,6 +328,12 @@ def main(argv=None) -> int:
         help=f"test cases per dataset (default {DEFAULT_TEST}, the default dataset's); the training cases are the same",
     )
     p.add_argument(
+        "--train-cases",
+        type=int,
+        default=DEFAULT["synthetic_cases"],
+        help=f"training cases per dataset (default {DEFAULT['synthetic_cases']}); the test cases come after them",
+    )
+    p.add_argument(
         "--every-protocol",
         action="store_true",
         help="also score the mixed-trained and uniform-trained models on the test anatomies acquired by each "
@@ -354,6 +363,15 @@ def main(argv=None) -> int:
             p.error(f"{flag} {text!r}: {err}")
     if args.test_cases < DEFAULT_TEST:
         p.error(f"--test-cases {args.test_cases}: at least the default split's {DEFAULT_TEST}")
+    if args.train_cases < 2:
+        p.error(f"--train-cases {args.train_cases}: at least 2 (one to train on, one to validate)")
+    passed = set(shlex.split(args.train_args))
+    for flag in ("--synthetic-cases", "--synthetic-size", "--synthetic-dir", "--data-dir"):
+        if flag in passed or any(o.startswith(flag + "=") for o in passed):
+            p.error(f"--train-args {args.train_args!r}: {flag} would train on other cases than the test split follows"
+                    + ("; use --train-cases" if flag == "--synthetic-cases" else ""))  # fmt: skip
+    global DEFAULT_DATASET
+    DEFAULT_DATASET = (args.train_cases, DEFAULT_DATASET[1])
     if args.noise_free_reader:
         print(f"test mean Dice of a noise-free reader of each voxel's class fractions, {args.test_cases} test cases")
         for seed in args.seeds:

@@ -174,3 +174,39 @@ def test_unbalanced_quote_in_passed_options_stops_before_any_run(flag, tmp_path,
         bench.main(["--out", str(tmp_path), flag, "--overlap '0.75"])
     assert stopped.value.code == 2
     assert f'{flag} "--overlap \'0.75": No closing quotation' in capsys.readouterr().err
+
+
+def test_train_cases_reach_every_run_and_the_datasets(tmp_path, monkeypatch):
+    """--train-cases N writes N training cases, test cases after them, and trains every run on those N."""
+    commands = []
+
+    def logged(command, log):
+        commands.append(command)
+        if command[1] == "evaluate.py":
+            out = Path(command[command.index("--out-dir") + 1])
+            out.mkdir(parents=True)
+            (out / "metrics.csv").write_text("case,class,class_name,dice\nsynth_003,1,organ,0.9\n")
+            summary = {"mean_dice": 0.9, "num_scored": 1, "classes": {"organ": {"dice": {"mean": 0.9}}}}
+            (out / "summary.json").write_text(json.dumps(summary))
+
+    monkeypatch.setattr(bench, "logged", logged)
+    monkeypatch.setattr(bench, "DEFAULT_DATASET", (24, 16))  # restored after the test: main sets it
+    assert bench.main(["--out", str(tmp_path), "--train-cases", "3", "--runs", "mixed", "--time-limit", "1"]) == 0
+    trains = [c for c in commands if c[:2] == ["bash", "launch.sh"]]
+    assert len(trains) == 2 and all(c[c.index("--synthetic-cases") + 1] == "3" for c in trains)
+    folders = sorted((tmp_path / "synthetic").iterdir())
+    assert [f.name.split("_")[0] for f in folders] == ["cases3", "cases3"]
+    for folder in folders:
+        meta = json.loads((folder / "dataset.json").read_text())
+        assert meta["numTraining"] == 3 and meta["numTest"] == 4
+        assert sorted(p.name for p in (folder / "imagesTs").iterdir())[0].startswith("synth_003")
+
+
+@pytest.mark.parametrize("passed", ["--synthetic-cases 48", "--synthetic-size=32", "--data-dir x"])
+def test_train_args_that_change_the_training_cases_are_refused(passed, tmp_path, monkeypatch, capsys):
+    """Options that would train on cases other than those the test split comes after stop before any run."""
+    monkeypatch.setattr(bench, "write_datasets", lambda *a, **k: pytest.fail("wrote a dataset"))
+    monkeypatch.setattr(bench, "logged", lambda *a, **k: pytest.fail("ran a command"))
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--out", str(tmp_path), f"--train-args={passed}"])
+    assert stopped.value.code == 2 and passed.split()[0].split("=")[0] in capsys.readouterr().err
