@@ -79,26 +79,70 @@ def test_setup_alone_on_cpu_makes_no_process_group(alone, monkeypatch):
     assert dist.all_reduce_sum(torch.ones(2)).tolist() == [1, 1]
 
 
+class _TwoArgumentError(ValueError):
+    """A ValueError whose constructor takes more than a message (as data.prepare.DatasetError's does)."""
+
+    def __init__(self, root: str, problems: list[str]) -> None:
+        super().__init__(f"{root}: " + "; ".join(problems))
+
+
+def _missing():
+    raise FileNotFoundError("no such file: /data/case_1.nii.gz")
+
+
+def _two_arguments():
+    raise _TwoArgumentError("/data", ["bad spacing", "bad label"])
+
+
+def _outcome(call) -> str | None:
+    try:
+        call()
+        return None
+    except Exception as e:  # every rank must see the failure, not hang
+        return f"{type(e).__name__}: {e}"
+
+
 def _collectives(info: dist.DistInfo, out: Path) -> None:
     total = dist.all_reduce_sum(torch.tensor([float(info.rank + 1)]))
     gathered = dist.all_gather_object(info.rank * 10)
     value = dist.run_on_main(lambda: "made on rank 0")
-    try:
-        dist.run_on_main(lambda: 1 / 0)
-        failure = None
-    except Exception as e:  # every rank must see the failure, not hang
-        failure = f"{type(e).__name__}: {e}"
+
+    class Local(Exception):  # its class cannot be sent: the others get a RuntimeError
+        pass
+
+    def local():
+        raise Local("made here")
+
+    failures = [_outcome(lambda f=f: dist.run_on_main(f)) for f in (lambda: 1 / 0, _missing, _two_arguments, local)]
+    failures.append(_outcome(lambda: dist.run_on_local_main(_missing, info)))
     dist.barrier()
-    (out / f"{info.rank}.json").write_text(json.dumps([total.item(), gathered, value, failure, str(info.device)]))
+    (out / f"{info.rank}.json").write_text(json.dumps([total.item(), gathered, value, failures, str(info.device)]))
 
 
 def test_collectives_on_three_gloo_ranks(tmp_path):
+    """The collectives' results; a failure of rank 0's (or of a node's local rank 0's) work reaches every rank
+    as an error of its class, or of the nearest of ValueError, FileNotFoundError, RuntimeError: every rank
+    then reaches the same verdict (a bad file is bad input on every rank, not a crash to restart from)."""
     spawn_ranks(_collectives, 3, tmp_path)
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
-    for rank, (total, gathered, value, failure, device) in enumerate(results):
+    own = [
+        "ZeroDivisionError: division by zero",
+        "FileNotFoundError: no such file: /data/case_1.nii.gz",
+        "_TwoArgumentError: /data: bad spacing; bad label",
+        "Local: made here",
+    ]
+    for rank, (total, gathered, value, failures, device) in enumerate(results):
         assert total == 6 and gathered == [0, 10, 20] and value == "made on rank 0" and device == "cpu"
-        expected = "ZeroDivisionError: division by zero"
-        assert failure == expected if rank == 0 else failure == f"RuntimeError: rank 0 failed: {expected}"
+        if rank == 0:
+            assert failures == [*own, own[1]]
+        else:
+            seen = ["ZeroDivisionError", "FileNotFoundError", "ValueError", "RuntimeError"]
+            assert failures[:4] == [f"{cls}: rank 0 failed: {text}" for cls, text in zip(seen, own)]
+        assert (
+            failures[4] == own[1]
+            if rank == 0
+            else failures[4] == f"FileNotFoundError: a node's local rank 0 failed: {own[1]}"
+        )
 
 
 def _arrivals(info: dist.DistInfo, out: Path) -> None:

@@ -182,7 +182,8 @@ def run_on_local_main(fn: Callable[[], T], info: DistInfo) -> T:
     """Run `fn` on local rank 0 of every node and hand each node's result to its ranks; any failure to all.
 
     For work whose result lives on a node's own disk (a generated dataset, a cache). Ranks are numbered
-    contiguously per node, so a node's local rank 0 is global rank `rank - local_rank`.
+    contiguously per node, so a node's local rank 0 is global rank `rank - local_rank`. A failure reaches
+    the other ranks as an error of the same class (`_failure`), so that every rank reaches the same verdict.
     """
     result: tuple[bool, Any] = (True, None)
     error: Exception | None = None
@@ -191,21 +192,23 @@ def run_on_local_main(fn: Callable[[], T], info: DistInfo) -> T:
             result = (True, fn())
         except Exception as e:  # handed to the node's ranks, re-raised below
             error = e
-            result = (False, f"{type(e).__name__}: {e}")
+            result = (False, _describe(e))
     results = all_gather_object(result)
     if error is not None:
         raise error
-    failures = sorted({value for ok, value in results if not ok})
+    failures = [value for ok, value in results if not ok]
     if failures:  # every rank stops, not just the failing node's
-        raise RuntimeError("a node's local rank 0 failed: " + "; ".join(failures))
+        text = "; ".join(sorted({message for _, message in failures}))
+        raise _failure(failures[0][0], "a node's local rank 0 failed: " + text)
     return results[info.rank - info.local_rank][1]
 
 
 def run_on_main(fn: Callable[[], T]) -> T:
     """Run `fn` on rank 0 only and hand its result, or its failure, to every rank.
 
-    The other ranks wait in a broadcast rather than a barrier, so when rank 0 fails they raise the
-    same error at once instead of hanging until the collective times out.
+    The other ranks wait in a broadcast rather than a barrier, so when rank 0 fails they raise an error of
+    the same class at once (`_failure`: a bad checkpoint is a ValueError on every rank, and every rank exits
+    as for bad input) instead of hanging until the collective times out.
     """
     result: tuple[bool, Any] = (True, None)
     error: Exception | None = None
@@ -214,13 +217,41 @@ def run_on_main(fn: Callable[[], T]) -> T:
             result = (True, fn())
         except Exception as e:  # handed to every rank, re-raised below
             error = e
-            result = (False, f"{type(e).__name__}: {e}")
+            result = (False, _describe(e))
     ok, value = broadcast_object(result)
     if error is not None:
         raise error
     if not ok:
-        raise RuntimeError(f"rank 0 failed: {value}")
+        raise _failure(value[0], f"rank 0 failed: {value[1]}")
     return value
+
+
+def _describe(error: Exception) -> tuple[type | None, str]:
+    """(the error's class, if it pickles: every rank runs the same code; "Class: message") for the other ranks."""
+    import pickle
+
+    cls: type | None = type(error)
+    try:
+        pickle.loads(pickle.dumps(cls))
+    except Exception:  # a class defined in a function: the others get a RuntimeError
+        cls = None
+    return cls, f"{type(error).__name__}: {error}"
+
+
+def _failure(cls: type | None, message: str) -> Exception:
+    """An error of class `cls` with `message` (one string argument), else of the nearest class of the
+    builtin families the trainer tells apart (FileNotFoundError, ValueError), else a RuntimeError."""
+    families = (FileNotFoundError, ValueError, RuntimeError)
+    for candidate in (cls, *(f for f in families if cls is not None and issubclass(cls, f)), RuntimeError):
+        if candidate is None:
+            continue
+        try:
+            made = candidate(message)
+        except Exception:  # a constructor that takes other arguments
+            continue
+        if isinstance(made, BaseException) and str(made) == message:
+            return made
+    return RuntimeError(message)
 
 
 def arrive(key: str, wait: float = 0.0) -> bool:
