@@ -314,6 +314,26 @@ def test_the_ranks_check_the_dataset_too_and_fail_together_without_restarts(shar
 # --- bad checkpoints ------------------------------------------------------------------------------------
 
 
+def test_an_unreadable_checkpoint_found_by_rank_0_alone_is_bad_input_on_every_rank(shared, tmp_path):
+    """Started by torchrun directly (no pre-flight, as after a torchrun restart): rank 0 alone reads the
+    checkpoint and finds it unusable; the other rank must reach the same verdict (bad input: exit 2, the job
+    ended once, no restart), not crash with another error that torchrun would restart 3 times."""
+    (tmp_path / "broken.pt").write_bytes(b"not a checkpoint")
+    command = ["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "train_ddp.py"]
+    command += options(shared, tmp_path / "run", 1, "--resume", str(tmp_path / "broken.pt"))
+    env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    result = run(command, env=env, timeout=90)
+    assert result.returncode != 0
+    assert result.stdout.count("cannot read checkpoint") == 1 and "broken.pt" in result.stdout, result.stdout
+    logs = [(tmp_path / "run" / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
+    assert all("torchrun restart 1" not in log for log in logs), logs
+    assert "error: no usable checkpoint to resume from: cannot read checkpoint" in logs[0], logs[0]
+    # rank 1 took the same exit (fail_together's error line), not a crash with a traceback
+    assert "error: rank 0 failed: CheckpointError: no usable checkpoint" in logs[1], logs[1]
+    assert "Traceback" not in logs[1], logs[1]
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
 def test_a_crafted_checkpoint_is_refused_without_running_it(shared, tmp_path):
     marker = tmp_path / "pwned"
 
@@ -325,6 +345,18 @@ def test_a_crafted_checkpoint_is_refused_without_running_it(shared, tmp_path):
     result = launch(*options(shared, tmp_path / "run", 1, "--resume", str(tmp_path / "evil.pt")), timeout=60)
     assert result.returncode == 2 and "cannot read checkpoint" in result.stdout and "evil.pt" in result.stdout
     assert not marker.exists()
+
+
+def test_resuming_with_more_epochs_continues_and_names_the_changed_setting(shared, uninterrupted, tmp_path):
+    """A setting that may change on resume (README: say --epochs) is listed in a warning, and training goes on
+    from the checkpoint's position: one more epoch, not three."""
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    result = launch(*options(shared, out, 3), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming with changed settings: epochs" in result.stdout, result.stdout
+    assert "2 epoch(s) and 0 step(s) done" in result.stdout and "epoch 3/3:" in result.stdout
+    assert "epoch 1/3:" not in result.stdout and checkpoint(out)["epoch"] == 3
 
 
 def test_resuming_with_another_architecture_names_the_fields(shared, uninterrupted, tmp_path):
