@@ -258,7 +258,7 @@ def predict_cases(args, predictor: Predictor, cases, owner, out: Path, first: bo
             errors.append(f"{case.name}: {e}")
             tqdm.write(f"error: {case.name}: {e}", file=sys.stderr)
             continue
-        except torch.OutOfMemoryError as e:  # one large scan: reported, its memory freed, the rest predicted
+        except torch.cuda.OutOfMemoryError as e:  # one large scan: reported, its memory freed, the rest predicted
             first_line = str(e).splitlines()[0] if str(e) else "out of memory"
             message = (
                 f"{case.name}: out of memory on {predictor.device} ({first_line}); a smaller --sw-batch-size, "

@@ -57,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return train(cfg, info, started)
     except (*INPUT_ERRORS, TrainingError) as e:  # every rank reached the same verdict
         return fail_together(e, info)
-    except torch.OutOfMemoryError as e:  # this rank alone; a restart would run out of memory again
+    # torch.cuda.OutOfMemoryError: in every torch this project allows (the top-level alias came later)
+    except torch.cuda.OutOfMemoryError as e:  # this rank alone; a restart would run out of memory again
         return fail_alone(e, info)
     finally:
         dist.cleanup()

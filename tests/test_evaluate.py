@@ -197,6 +197,42 @@ def test_cases_sharded_over_workers_are_scored_as_by_one_with_undefined_hd95(wei
     assert two["mean_dice"] == one["mean_dice"] == 0
 
 
+def test_gpu_ids_shard_the_cases_one_child_per_physical_gpu(weights, tiny_dataset, tmp_path, monkeypatch):
+    """`--gpu 5,7`: one real child process per physical id, in order, each given its own id and share of the
+    cases, merged as one process's results. This machine has no GPU: each child's `--gpu N` (what would mask
+    it to card N) is swapped for `--device cpu` as it starts, and the id it was given is recorded."""
+    torch.save(weights, tmp_path / "w.pt")
+    base = ["--checkpoint", str(tmp_path / "w.pt"), "--split", "test", "--data-dir", str(tiny_dataset)]
+    base += ["--window", "16"]
+    started, real = [], evaluate.subprocess.Popen
+
+    def on_cpu(command, **kwargs):
+        command = list(command)
+        at = command.index("--gpu")
+        started.append((command[at + 1], command[command.index("--shard") + 1]))
+        command[at : at + 2] = ["--device", "cpu"]
+        return real(command, **kwargs)
+
+    monkeypatch.chdir(evaluate.__file__.rsplit("/", 1)[0])
+    monkeypatch.setattr(evaluate.subprocess, "Popen", on_cpu)
+    assert evaluate.main([*base, "--out-dir", str(tmp_path / "gpus"), "--gpu", "5,7"]) == 0
+    assert started == [("5", "0/2"), ("7", "1/2")]
+    monkeypatch.setattr(evaluate.subprocess, "Popen", real)
+    assert evaluate.main([*base, "--out-dir", str(tmp_path / "one"), "--device", "cpu"]) == 0
+
+    def scores(name):
+        rows = csv.DictReader((tmp_path / name / "metrics.csv").read_text().splitlines())
+        return sorted(rows, key=lambda r: (r["case"], r["class"])), json.loads(
+            (tmp_path / name / "summary.json").read_text()
+        )
+
+    (rows, summary), (rows_one, one) = scores("gpus"), scores("one")
+    assert summary["inference"]["shards"] == ["physical GPU 5", "physical GPU 7"]
+    assert len(rows) == 4 and rows == rows_one and summary["mean_dice"] == one["mean_dice"]  # 2 cases, 2 classes
+    predicted = sorted(p.name for p in (tmp_path / "gpus" / "predictions").iterdir())
+    assert predicted == sorted(p.name for p in (tmp_path / "one" / "predictions").iterdir()) and len(predicted) == 2
+
+
 def test_a_case_that_runs_out_of_memory_is_one_failed_case_and_the_rest_is_scored(
     weights, tiny_dataset, tmp_path, capsys, monkeypatch
 ):
@@ -209,7 +245,7 @@ def test_a_case_that_runs_out_of_memory_is_one_failed_case_and_the_rest_is_score
     def predict(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB\nmore detail")
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB\nmore detail")
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Predictor, "predict", predict)

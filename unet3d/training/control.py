@@ -242,7 +242,7 @@ def fail_together(error: Exception, info: dist.DistInfo) -> int:
     return 1 if isinstance(error, TrainingError) else 2
 
 
-def fail_alone(error: torch.OutOfMemoryError, info: dist.DistInfo) -> int:
+def fail_alone(error: torch.cuda.OutOfMemoryError, info: dist.DistInfo) -> int:
     """This rank ran out of GPU memory: the others wait in a collective until torchrun stops them. A restart
     would run out again, so this rank ends the job itself, with advice. Returns the exit code, 1."""
     log = get_logger()

@@ -2,7 +2,7 @@
 
 UNET3D_FAULT_NAN="RANK:STEP,STEP;RANK:STEP" makes that rank's loss NaN at those global steps (counted
 from 0 over the whole run: epoch * steps_per_epoch + step), so the non-finite guard is tested end to end
-through the real training loop; UNET3D_FAULT_OOM (same form) raises torch.OutOfMemoryError there instead,
+through the real training loop; UNET3D_FAULT_OOM (same form) raises torch.cuda.OutOfMemoryError there instead,
 as a GPU that runs out of memory does. UNET3D_SLOW_DATA="RANK:SECONDS" makes that rank's every sample
 take that much longer to load, UNET3D_SLOW_STEP="RANK:SECONDS" every training step (a slower GPU, a busy
 host), so the diagnoses of `unet3d.training.timing` are tested end to end. In a normal run the loss
@@ -77,7 +77,7 @@ class FaultyLoss(nn.Module):
         step, self.calls = self.calls, self.calls + 1
         time.sleep(self.slow)
         if step in self.oom:
-            raise torch.OutOfMemoryError(f"injected by {FAULT_OOM} at step {step}: CUDA out of memory")
+            raise torch.cuda.OutOfMemoryError(f"injected by {FAULT_OOM} at step {step}: CUDA out of memory")
         value = self.loss(logits, target)
         return value * math.nan if step in self.nan else value
 
