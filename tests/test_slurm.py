@@ -14,6 +14,7 @@ import os
 import shutil
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from tests.helpers import REPO, run
 SBATCH = REPO / "slurm" / "train.sbatch"
 HOSTS = ["node-a", "node-b"]
 GPU_VARS = ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
+LIMIT = str(24 * 3600 - 600)  # the stand-in squeue's 24 h left, less the script's 10 minutes' margin
 
 # Plays srun on two nodes: every GPU variable of the batch environment is dropped and replaced by the
 # node's own, as slurmstepd sets them per node; the exit status is the worst of the nodes'.
@@ -71,6 +73,7 @@ def cluster(tmp_path, monkeypatch) -> dict:
         f'#!/bin/sh\n[ "$1 $2 $3" = "show hostnames {nodelist}" ] || exit 1\nprintf "{hosts}\\n"\n',
     )
     _script(bin_dir / "srun", f"#!{sys.executable}\n" + SRUN % (GPU_VARS, HOSTS))
+    _script(bin_dir / "squeue", '#!/bin/sh\n[ "$*" = "-h -j 4242 -o %L" ] && echo 1-00:00:00\n')  # a 24 h job
     record = _script(tmp_path / "record.py", RECORD)
     submit = tmp_path / "submit"
     (submit / ".venv" / "bin").mkdir(parents=True)
@@ -106,7 +109,8 @@ def recorded(cluster: dict, name: str) -> dict | None:
 
 def test_each_node_launches_on_its_own_allocated_gpus(cluster):
     nodes = [{"CUDA_VISIBLE_DEVICES": "4,5,6,7", "SLURM_STEP_GPUS": "4,5,6,7"}, {"SLURM_STEP_GPUS": "0,2"}]
-    result = sbatch(cluster, nodes, "--data-dir", "/data/my set", "--epochs", "3")
+    ends = int(time.time()) + 4 * 3600  # sbatch --time=4:00:00, against the script's 24 h
+    result = sbatch(cluster, nodes, "--data-dir", "/data/my set", "--epochs", "3", SLURM_JOB_END_TIME=str(ends))
     assert result.returncode == 0, result.stderr
 
     srun = recorded(cluster, "srun")
@@ -116,15 +120,46 @@ def test_each_node_launches_on_its_own_allocated_gpus(cluster):
     assert srun["env"]["MASTER_ADDR"] == "node-a" and srun["env"]["MASTER_PORT"] == str(15000 + 4242)
 
     extra = ["--data-dir", "/data/my set", "--epochs", "3"]
+    limits = set()
     for rank, gpus in [(0, "4,5,6,7"), (1, "0,2")]:
         launch = recorded(cluster, f"launch-{rank}")
         assert launch is not None, f"node {rank} did not start launch.sh: {result.stderr}"
-        assert launch["argv"] == [gpus, "--out-dir", "runs/unet3d", "--time-limit", "23:50:00", *extra]
+        argv = launch["argv"]
+        assert argv[:4] == [gpus, "--out-dir", "runs/unet3d", "--time-limit"] and argv[5:] == extra, argv
+        assert 4 * 3600 - 600 - 30 <= int(argv[4]) <= 4 * 3600 - 600, "the job's own limit less 10 minutes"
+        limits.add(argv[4])
         env = launch["env"]
         assert (env["NODE_RANK"], env["NNODES"], env["MASTER_ADDR"]) == (str(rank), "2", "node-a")
         assert (env["MASTER_PORT"], env["RDZV_ID"]) == (str(15000 + 4242), "4242")
         assert launch["cwd"] == str(cluster["submit"]) and env["STUB_VENV"] == str(cluster["submit"])
     assert sorted(p.name for p in cluster["records"].iterdir()) == ["launch-0.json", "launch-1.json", "srun.json"]
+    assert len(limits) == 1, "read once, on the first node: every node trains to the same limit"
+
+
+@pytest.mark.parametrize(
+    ("left", "expected"),
+    [("1-02:03:04", 93784 - 600), ("23:59:00", 86340 - 600), ("59:30", 3570 - 600), ("UNLIMITED", None), ("", None)],
+)
+def test_without_an_end_time_the_limit_is_what_squeue_says_is_left(cluster, left, expected):
+    """Before SLURM 23.02 (no SLURM_JOB_END_TIME) the script asks squeue; an unlimited or unknown limit
+    trains without --time-limit, and says so. A --time-limit given to the script wins (the later option)."""
+    _script(cluster["tmp"] / "bin" / "squeue", f'#!/bin/sh\n[ "$*" = "-h -j 4242 -o %L" ] || exit 1\necho "{left}"\n')
+    result = sbatch(cluster, [{"CUDA_VISIBLE_DEVICES": "0"}] * 2, "--time-limit", "100")
+    assert result.returncode == 0, result.stderr
+    argv = recorded(cluster, "launch-0")["argv"]
+    if expected is None:
+        assert argv == ["0", "--out-dir", "runs/unet3d", "--time-limit", "100"]
+        assert (
+            "the job's time limit is unknown" in result.stderr and f"squeue gave '{left or 'nothing'}'" in result.stderr
+        )
+    else:
+        assert argv == ["0", "--out-dir", "runs/unet3d", "--time-limit", str(expected), "--time-limit", "100"]
+
+
+def test_a_job_too_short_for_its_margin_is_refused(cluster):
+    result = sbatch(cluster, [{"CUDA_VISIBLE_DEVICES": "0"}] * 2, SLURM_JOB_END_TIME=str(int(time.time()) + 300))
+    assert result.returncode == 2 and "too little for 10 minutes' margin" in result.stderr
+    assert recorded(cluster, "srun") is None and recorded(cluster, "launch-0") is None
 
 
 def test_jobs_get_ports_of_their_own_and_a_given_port_is_kept(cluster):
@@ -165,7 +200,7 @@ def test_gpu_variables_are_taken_in_order(cluster, gpu_vars, expected):
     result = sbatch(cluster, [{"CUDA_VISIBLE_DEVICES": "0"}, gpu_vars])
     assert result.returncode == 0, result.stderr
     assert recorded(cluster, "launch-0")["argv"][0] == "0"
-    assert recorded(cluster, "launch-1")["argv"] == [expected, "--out-dir", "runs/unet3d", "--time-limit", "23:50:00"]
+    assert recorded(cluster, "launch-1")["argv"] == [expected, "--out-dir", "runs/unet3d", "--time-limit", LIMIT]
 
 
 def test_a_node_without_gpus_is_refused(cluster):
@@ -250,7 +285,7 @@ def test_real_launch_sh_masks_each_node_to_its_allocation(cluster):
             "--out-dir",
             "runs/unet3d",
             "--time-limit",
-            "23:50:00",
+            LIMIT,
             "--data-dir",
             "/data/my set",
         ]
