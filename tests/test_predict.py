@@ -218,3 +218,29 @@ def test_scans_near_45_degrees_are_named_when_predicted(tmp_path, capsys):
     for name in ("tilted", "straight"):
         pred, image = nib.load(out / f"{name}.nii.gz"), nib.load(images / f"{name}.nii.gz")
         assert pred.shape == image.shape[:3] and np.allclose(pred.affine, image.affine), name
+
+
+def test_an_ensemble_of_models_that_cannot_share_one_input_is_refused():
+    """Members must predict the same classes, read the same channels and share the preprocessing, or their
+    probabilities could not be averaged on one planned image; each refusal names both files."""
+    import dataclasses
+
+    from data.plan import legacy_plan
+    from unet3d import UNet3D
+    from unet3d.inference.predictor import Member, check_members
+
+    features = (4, 8)
+    plan = legacy_plan(["MRI"], (16, 16, 16), features)
+    names = ["background", "organ", "lesion"]
+
+    def member(name: str, channels: int = 1) -> Member:
+        return Member(name, UNet3D(channels, 3, features), {}, None)
+
+    check_members([member("a.pt"), member("b.pt")], [plan, plan], [names, names])  # the same: accepted
+    with pytest.raises(ValueError, match=r"b\.pt predicts \['background', 'organ', 'tumour'\], a\.pt \['background'"):
+        check_members([member("a.pt"), member("b.pt")], [plan, plan], [names, ["background", "organ", "tumour"]])
+    with pytest.raises(ValueError, match=r"b\.pt takes 2 channel\(s\), a\.pt 1"):
+        check_members([member("a.pt"), member("b.pt", 2)], [plan, plan], [names, names])
+    other = dataclasses.replace(plan, spacing=(1.0, 1.0, 1.5), orientation="RAS")
+    with pytest.raises(ValueError, match=r"b\.pt was trained on other preprocessing than a\.pt \(plans \w+ and \w+\)"):
+        check_members([member("a.pt"), member("b.pt")], [plan, other], [names, names])
