@@ -54,6 +54,12 @@ def test_cross_validation_score_and_post_processing(folds):
     rules = json.loads((out / "postprocessing.json").read_text())
     assert set(rules["cross_validation_dice"]) == {"organ", "lesion"} and rules["num_cases"] == 8
     assert summary["postprocessing"] == rules
+    # step 3 of the README reads the file step 2 wrote, as written
+    applied = folds / "cv_applied"
+    run_ok(["--checkpoint", *checkpoints, "--split", "test", "--postprocess", str(out / "postprocessing.json")]
+           + ["--out-dir", str(applied)])  # fmt: skip
+    used = json.loads((applied / "summary.json").read_text())["inference"]["postprocess"]
+    assert used["largest_component"] == rules["largest_component"], (used, rules)
 
 
 def test_the_ensemble_of_the_folds_on_the_test_split(folds, capsys):

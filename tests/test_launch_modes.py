@@ -8,6 +8,7 @@ checks (its first launch spells it `cpu`, as the quick start does), and by most 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -154,3 +155,37 @@ def test_mixed_acquisitions_train_and_predict_on_each_scans_own_grid(tmp_path):
     assert evaluate.main([*argv[:2], "--images", str(data / "imagesTs"), "--out-dir", str(out / "folder")]) == 0
     for image in sorted((data / "imagesTs").glob("*.nii.gz")):
         assert nib.load(out / "folder" / image.name).shape == nib.load(image).shape
+
+
+def _interpreter(path: Path, log: Path) -> Path:
+    """A `python` that notes each call's arguments in `log`, then runs this test's interpreter (which has torch)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {sys.executable} "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("form", ["PYTHON set", "no torchrun on PATH"])
+def test_launch_runs_the_ranks_under_the_interpreter_it_is_given_or_finds(shared, tmp_path, form):
+    """`PYTHON=... bash launch.sh cpu:2` (README): the pre-flight and the ranks under that interpreter, via
+    `$PYTHON -m torch.distributed.run`, though a `torchrun` of another interpreter comes first on PATH.
+    Without PYTHON and with no `torchrun` on PATH, `python3 -m torch.distributed.run`. Real runs, both."""
+    log, bin_dir = tmp_path / "calls.log", tmp_path / "bin"
+    decoy = bin_dir / "torchrun"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}  # this venv's bin (its torchrun, python3) left out
+    if form == "PYTHON set":
+        env["PYTHON"] = str(_interpreter(tmp_path / "py" / "python", log))
+        bin_dir.mkdir()
+        decoy.write_text(f"#!/bin/sh\ntouch {tmp_path / 'decoy-ran'}\nexit 1\n")  # another env's torchrun
+        decoy.chmod(0o755)
+    else:
+        _interpreter(bin_dir / "python3", log)
+    out = tmp_path / "run"
+    result = run(["bash", "launch.sh", "cpu:2", *options(shared, out)], env=env, timeout=300)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    check_trained(out, result.stdout, world=2)
+    calls = log.read_text().splitlines()
+    assert any(c.endswith("--prepare-only") for c in calls), calls  # the pre-flight
+    assert any(c.startswith("-m torch.distributed.run ") for c in calls), calls  # the agent: its ranks run
+    # under the agent's own interpreter (sys.executable), the one the wrapper started
+    assert not (tmp_path / "decoy-ran").exists()
