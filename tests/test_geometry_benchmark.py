@@ -25,6 +25,15 @@ def write_metrics(path, dice: dict[tuple[int, str], float]) -> None:
     path.write_text(buffer.getvalue())
 
 
+def fake_evaluation(command: list[str], case: str) -> None:
+    """What an evaluate.py `command` leaves in its --out-dir, for one case scoring 0.9 (no model is run)."""
+    out = Path(command[command.index("--out-dir") + 1])
+    out.mkdir(parents=True)
+    (out / "metrics.csv").write_text(f"case,class,class_name,dice\n{case},1,organ,0.9\n")
+    summary = {"mean_dice": 0.9, "num_scored": 1, "classes": {"organ": {"dice": {"mean": 0.9}}}}
+    (out / "summary.json").write_text(json.dumps(summary))
+
+
 def test_protocol_scores_follow_evaluate_definition(tmp_path):
     """Per class over the chosen cases, then over classes; the default split is the first four test cases."""
     rng = np.random.default_rng(0)
@@ -151,11 +160,7 @@ def test_eval_args_reach_every_evaluation(tmp_path, monkeypatch):
 
     def logged(command, log):
         commands.append(command)
-        out = Path(command[command.index("--out-dir") + 1])
-        out.mkdir(parents=True)
-        (out / "metrics.csv").write_text("case,class,class_name,dice\nsynth_004,1,organ,0.9\n")
-        summary = {"mean_dice": 0.9, "num_scored": 1, "classes": {"organ": {"dice": {"mean": 0.9}}}}
-        (out / "summary.json").write_text(json.dumps(summary))
+        fake_evaluation(command, "synth_004")
 
     monkeypatch.setattr(bench, "logged", logged)
     result = bench.evaluate(tmp_path / "last.pt", tmp_path, "uniform", tmp_path / "e", tmp_path / "e.log", True,
@@ -183,11 +188,7 @@ def test_train_cases_reach_every_run_and_the_datasets(tmp_path, monkeypatch):
     def logged(command, log):
         commands.append(command)
         if command[1] == "evaluate.py":
-            out = Path(command[command.index("--out-dir") + 1])
-            out.mkdir(parents=True)
-            (out / "metrics.csv").write_text("case,class,class_name,dice\nsynth_003,1,organ,0.9\n")
-            summary = {"mean_dice": 0.9, "num_scored": 1, "classes": {"organ": {"dice": {"mean": 0.9}}}}
-            (out / "summary.json").write_text(json.dumps(summary))
+            fake_evaluation(command, "synth_003")
 
     monkeypatch.setattr(bench, "logged", logged)
     monkeypatch.setattr(bench, "DEFAULT_DATASET", (24, 16))  # restored after the test: main sets it
