@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -228,8 +229,6 @@ def run_on_main(fn: Callable[[], T]) -> T:
 
 def _describe(error: Exception) -> tuple[type | None, str]:
     """(the error's class, if it pickles: every rank runs the same code; "Class: message") for the other ranks."""
-    import pickle
-
     cls: type | None = type(error)
     try:
         pickle.loads(pickle.dumps(cls))
@@ -239,17 +238,16 @@ def _describe(error: Exception) -> tuple[type | None, str]:
 
 
 def _failure(cls: type | None, message: str) -> Exception:
-    """An error of class `cls` with `message` (one string argument), else of the nearest class of the
-    builtin families the trainer tells apart (FileNotFoundError, ValueError), else a RuntimeError."""
-    families = (FileNotFoundError, ValueError, RuntimeError)
-    for candidate in (cls, *(f for f in families if cls is not None and issubclass(cls, f)), RuntimeError):
-        if candidate is None:
+    """An error of class `cls` made from `message` alone, else of the first of the families the trainer tells
+    apart (FileNotFoundError, ValueError) that `cls` belongs to, else a RuntimeError."""
+    for candidate in (cls, FileNotFoundError, ValueError):
+        if cls is None or not issubclass(cls, candidate):
             continue
         try:
             made = candidate(message)
         except Exception:  # a constructor that takes other arguments
             continue
-        if isinstance(made, BaseException) and str(made) == message:
+        if str(made) == message:  # not KeyError's quoted form
             return made
     return RuntimeError(message)
 
