@@ -51,6 +51,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import re
 import shlex
 import shutil
 import statistics
@@ -153,6 +154,41 @@ def routed(metrics: dict[str, Path]) -> dict[str, float]:
         acquisition = PROTOCOLS[SINGLE_PROTOCOLS.index(protocol)]
         rows += [r for r in read_rows(path) if case_acquisition("mixed", case_index(r)) == acquisition]
     return {"mean_dice": mean_dice(rows), "num_cases": len({r["case"] for r in rows}), **protocol_scores(rows, "mixed")}
+
+
+EPOCH_LINE = re.compile(r"^epoch (\d+)(?:/\d+)?(?: stopped at step (\d+))?: ", re.M)
+PACE = re.compile(r"compute per step ([\d.]+)\.\.([\d.]+) s")  # over the ranks, in a run of several
+UNEVEN = 1.1  # runs of one seed whose trained epochs differ by more than this ratio are flagged
+
+
+def training_record(log: Path) -> dict | None:
+    """What a run's budget bought, from its console output (the epoch lines): "epochs" completed,
+    "last_epoch_steps" of the one the budget cut (None when none was cut), and the slowest rank's compute per
+    step in the first, the median and the last epoch ("compute_s_per_step", None for a run of one rank), so
+    that a run the machine slowed is seen for what it is. None when the log has no epoch line."""
+    text = log.read_text() if log.is_file() else ""
+    found = [(m, text[m.end() : text.find("\n", m.end())]) for m in EPOCH_LINE.finditer(text)]
+    if not found:
+        return None
+    paces = [float(pace.group(2)) for _, rest in found if (pace := PACE.search(rest))]
+    last, stopped = found[-1][0].group(1), found[-1][0].group(2)
+    return {
+        "epochs": int(last) - (1 if stopped else 0),
+        "last_epoch_steps": int(stopped) if stopped else None,
+        "compute_s_per_step": {"first": paces[0], "median": statistics.median(paces), "last": paces[-1]}
+        if paces
+        else None,
+    }
+
+
+def uneven_training(runs: dict[str, dict]) -> str | None:
+    """A warning when the trained runs of one seed got unequal training from the same budget (the machine ran at
+    another speed during one), else None."""
+    epochs = {name: r["training"]["epochs"] for name, r in runs.items() if r.get("training")}
+    if len(epochs) < 2 or max(epochs.values()) <= UNEVEN * max(min(epochs.values()), 1):
+        return None
+    listed = ", ".join(f"{name} {n}" for name, n in epochs.items())
+    return f"  warning: the runs trained unequal epochs in the same budget ({listed}): the machine's speed changed"
 
 
 def logged(command: list[str], log: Path) -> None:
@@ -261,12 +297,15 @@ def run(name: str, extra: list[str], seed: int, data: Path, args: argparse.Names
     command += ["--synthetic-dir", str(Path(args.out) / "synthetic"), "--seed", str(seed), *extra]
     command += ["--synthetic-cases", str(DEFAULT_DATASET[0])]  # the cases write_datasets wrote, test ones after
     command += shlex.split(args.train_args)
-    logged(command, out.parent / f"{out.name}.train.log")
+    train_log = out.parent / f"{out.name}.train.log"
+    logged(command, train_log)
     checkpoint = out / "checkpoints" / f"{args.checkpoint}.pt"
     geometry = extra[extra.index("--synthetic-geometry") + 1]
     log = out.parent / f"{out.name}.eval.log"
     eval_args = shlex.split(args.eval_args)
-    return checkpoint, evaluate(checkpoint, data, geometry, out / "eval_test", log, args.tta, eval_args)
+    result = evaluate(checkpoint, data, geometry, out / "eval_test", log, args.tta, eval_args)
+    result["training"] = training_record(train_log)
+    return checkpoint, result
 
 
 def line(name: str, r: dict, base: dict | None) -> str:
@@ -285,6 +324,16 @@ def line(name: str, r: dict, base: dict | None) -> str:
             default = scores["default_split_mean_dice"]
             parts = ", ".join(f"{k[9:]} {v:.3f}" for k, v in scores.items() if k.startswith("protocol "))
             text += f"\n  {'':<44} {label}default split's {DEFAULT_TEST} cases {default:.4f}; per protocol: {parts}"
+    trained = r.get("training")
+    if trained:
+        cut = f" and {trained['last_epoch_steps']} step(s)" if trained["last_epoch_steps"] else ""
+        pace = trained["compute_s_per_step"]
+        text += f"\n  {'':<44} trained {trained['epochs']} epoch(s){cut}"
+        if pace:
+            text += (
+                f"; compute per step {pace['first']:.3f} s (first epoch), {pace['median']:.3f} (median), "
+                f"{pace['last']:.3f} (last)"
+            )
     return text
 
 
@@ -435,6 +484,9 @@ def main(argv=None) -> int:
         print(f"seed {seed}")
         for name, r in runs.items():
             print(line(name, r, None if name == "uniform" else base))
+        warning = uneven_training(runs)
+        if warning:
+            print(warning)
         results[seed] = runs
     if len(args.seeds) > 1:
         for key, title in (("mean_dice", ""), ("tta_mean_dice", ", with mirroring TTA")):

@@ -211,3 +211,46 @@ def test_train_args_that_change_the_training_cases_are_refused(passed, tmp_path,
     with pytest.raises(SystemExit) as stopped:
         bench.main(["--out", str(tmp_path), f"--train-args={passed}"])
     assert stopped.value.code == 2 and passed.split()[0].split("=")[0] in capsys.readouterr().err
+
+
+def epoch_lines(epochs: int, paces: list[float], cut: int | None = None) -> str:
+    """The console's epoch lines of a run of two ranks (`unet3d.training.report`), the last one cut at step `cut`."""
+    lines = []
+    for n, pace in zip(range(1, epochs + 1), paces):
+        head = f"epoch {n}" + (f" stopped at step {cut}" if cut and n == epochs else "")
+        lines.append(f"{head}: loss 0.5, lr 1e-3, 12.0 s, 10.0 samples/s, data wait 1 %, sync wait 2 % "
+                     f"(compute per step {pace - 0.01:.3f}..{pace:.3f} s over ranks), val Dice 0.9")  # fmt: skip
+    return "train 3/1000000: 100%|####| 16/16\n" + "\n".join(lines) + "\nstopped by the time limit (600 s)\n"
+
+
+def test_each_run_reports_what_its_budget_bought_and_uneven_runs_are_flagged(tmp_path, monkeypatch, capsys):
+    """The epochs each run trained and its compute per step come from its console output; a seed whose runs got
+    unequal training from the same budget (the machine slowed during one) is flagged."""
+    log = tmp_path / "one.log"
+    log.write_text(epoch_lines(4, [0.36, 0.40, 0.52, 0.50], cut=7))
+    assert bench.training_record(log) == {
+        "epochs": 3,
+        "last_epoch_steps": 7,
+        "compute_s_per_step": {"first": 0.36, "median": 0.45, "last": 0.5},
+    }
+    log.write_text("epoch 1/2: loss 0.5, data wait 1 %, sync wait 0 %\nepoch 2/2: loss 0.4, data wait 1 %\n")
+    assert bench.training_record(log) == {"epochs": 2, "last_epoch_steps": None, "compute_s_per_step": None}
+    assert bench.training_record(tmp_path / "missing.log") is None
+
+    def logged(command, log):
+        if command[1] == "evaluate.py":
+            fake_evaluation(command, "synth_003")
+        else:
+            slowed = command[command.index("--synthetic-geometry") + 1] == "mixed"
+            log.write_text(epoch_lines(30 if slowed else 40, [0.5 if slowed else 0.36] * 40, cut=5))
+
+    monkeypatch.setattr(bench, "logged", logged)
+    monkeypatch.setattr(bench, "DEFAULT_DATASET", (24, 16))  # restored after the test: main sets it
+    assert (
+        bench.main(["--out", str(tmp_path / "out"), "--train-cases", "3", "--runs", "mixed", "--time-limit", "1"]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert "trained 39 epoch(s) and 5 step(s); compute per step 0.360 s (first epoch)" in printed
+    assert "warning: the runs trained unequal epochs in the same budget (uniform 39, mixed 29)" in printed
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["0"]["mixed"]["training"]["epochs"] == 29
