@@ -30,7 +30,14 @@ from unet3d.training.checkpointing import (
     save_checkpoints,
 )
 from unet3d.training.config import TrainConfig, parse_args
-from unet3d.training.control import StepControl, TimeBudget, TrainingError, fail_alone, fail_together
+from unet3d.training.control import (
+    StepControl,
+    TimeBudget,
+    TrainingError,
+    fail_alone,
+    fail_together,
+    launch_time,
+)
 from unet3d.training.epoch import train_one_epoch
 from unet3d.training.faults import inject_faults
 from unet3d.training.loading import make_loader, open_cases, prepare_data
@@ -85,7 +92,10 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
         resume(rt, state, checkpoint, Path(source))
     del checkpoint  # its host copy of the weights and moments is no longer needed
     validates = ever_validates(rt.cfg)  # a budget keeps room for a last validation only where one comes
-    state.budget = TimeBudget.for_job(rt.cfg.time_limit, state.budget, started, state.schedule.progress, validates)
+    launches = dist.all_gather_object(launch_time())  # every rank: when launch.sh started on each node
+    state.budget = TimeBudget.for_job(
+        rt.cfg.time_limit, state.budget, started, state.schedule.progress, validates, launches
+    )
     model = wrap_for_training(rt, state.model)
     first_step = state.epoch * rt.steps_per_epoch + state.step
     loss_fn = inject_faults(build_loss(rt.cfg.loss, state.model), info.rank, first_step)

@@ -77,6 +77,35 @@ def test_time_budget_progress_and_reserve():
     assert TimeBudget.for_job(100, None, started=0.0, progress=0.0).reserve_s == pytest.approx(10 + 2 + EXIT_MARGIN_S)
 
 
+def test_a_budget_is_kept_across_restarts_of_one_job_and_renewed_by_a_new_job(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "unet3d")  # a multi-node job's default rendezvous id
+    monkeypatch.setenv("UNET3D_LAUNCH_TIME", "1000.5")
+    first = TimeBudget.for_job(100, None, started=2000.0, progress=0.3)
+    assert (first.start_wall, first.start_progress, first.run_id) == (1000.5, 0.3, "unet3d"), "from launch.sh"
+    saved = TimeBudget.from_state(first.state_dict())
+    restarted = TimeBudget.for_job(100, saved, started=1600.0, progress=0.7)
+    assert restarted.state_dict() == first.state_dict(), "a torchrun restart of the same job keeps its budget"
+    # Two nodes whose launch.sh started apart: one budget on every rank, from the first start.
+    nodes = TimeBudget.for_job(100, None, started=2000.0, progress=0.3, launches=[1000.5, 1000.5, 990.0, 990.0])
+    assert nodes.start_wall == 990.0
+    kept = TimeBudget.for_job(100, TimeBudget.from_state(nodes.state_dict()), 1600.0, 0.7, launches=[1000.5, 990.0])
+    assert kept.state_dict() == nodes.state_dict()
+    # The same run id with a new launch.sh start (the next job with the same RDZV_ID, a requeued Slurm job):
+    # a new budget, not yesterday's, which would stop the job at its first step.
+    monkeypatch.setenv("UNET3D_LAUNCH_TIME", "5000.0")
+    again = TimeBudget.for_job(100, saved, started=5010.0, progress=0.7)
+    assert (again.start_wall, again.start_progress) == (5000.0, 0.7), "a new job anneals from where it was"
+    longer = TimeBudget.for_job(200, saved, started=5010.0, progress=0.7)
+    assert (longer.limit_s, longer.start_wall) == (200, 5000.0), "a new limit is a new budget"
+    # Started by torchrun without launch.sh: the run id decides (each torchrun has its own).
+    monkeypatch.setenv("UNET3D_LAUNCH_TIME", "")
+    bare = TimeBudget.for_job(100, None, started=7000.0, progress=0.0)
+    assert bare.start_wall == 7000.0
+    assert TimeBudget.for_job(100, bare, started=7050.0, progress=0.4).start_wall == 7000.0
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-torchrun")
+    assert TimeBudget.for_job(100, bare, started=7050.0, progress=0.4).start_wall == 7050.0
+
+
 def test_duration_and_fault_parsing():
     assert parse_duration("01:30:00") == parse_duration("5400") == parse_duration("90:00") == 5400.0
     with pytest.raises(ValueError, match="HH:MM:SS"):

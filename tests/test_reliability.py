@@ -390,6 +390,28 @@ def test_time_limit_ends_in_time_with_an_annealed_model_and_a_last_validation(sh
     assert "stopped at step" in last_line and "val Dice" in last_line, "a last validation fits in the budget"
 
 
+def test_a_torchrun_restart_keeps_the_time_budget(shared, tmp_path):
+    """A rank killed under --time-limit: the restarted ranks go on with the budget of the job (its start,
+    its starting progress), not a new one that would start the schedule over, and still end inside it."""
+    out = tmp_path / "run"
+    limit = 45
+    proc = start(*options(shared, out, 1000, "--time-limit", str(limit)))
+    wait_for(out / "logs" / "rank0.log", r"epoch 1/1000:")  # logged after epoch 1's checkpoint
+    before = checkpoint(out)["time_budget"]
+    os.kill(rank_pid(out, 1), signal.SIGKILL)
+    rc, stdout, stderr = finish(proc, timeout=180)
+    assert rc == 0, stderr[-3000:]
+    assert "torchrun restart 1" in (out / "logs" / "rank1.log").read_text(), "the kill was a restart"
+    assert "resumed from" in stdout and f"stopped by the time limit ({limit} s)" in stdout
+    state = checkpoint(out)
+    after = state["time_budget"]
+    assert after == before, "the restart keeps the job's budget: its start, starting progress and run id"
+    assert after["start_progress"] == 0.0
+    written = (out / "checkpoints" / "last.pt").stat().st_mtime - after["start_wall"]
+    assert written < limit, f"the last checkpoint was written {written:.1f} s into a {limit} s budget"
+    assert state["optimizer"]["param_groups"][0]["lr"] < 0.05 * state["config"]["lr"], "annealed over the budget"
+
+
 # --- two nodes ------------------------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ import enum
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +26,7 @@ from unet3d.training.timing import StepTimer
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DEBOUNCE_S = 2.0  # one event often arrives twice (the terminal's Ctrl-C and torchrun forwarding it)
 EXIT_MARGIN_S = 3.0  # a time-limited run's allowance for writing the last checkpoint and exiting
+LAUNCH_TIME_ENV = "UNET3D_LAUNCH_TIME"  # set by launch.sh: --time-limit counts from there
 
 
 class TrainingError(RuntimeError):
@@ -118,20 +119,47 @@ class TimeBudget:
 
     @classmethod
     def for_job(
-        cls, limit_s: float | None, saved: TimeBudget | None, started: float, progress: float, validates: bool = True
+        cls,
+        limit_s: float | None,
+        saved: TimeBudget | None,
+        started: float,
+        progress: float,
+        validates: bool = True,
+        launches: Sequence[float | None] | None = None,
     ) -> TimeBudget | None:
-        """The --time-limit budget of this job: the saved one after a torchrun restart of the same job (same
-        run id and limit), else a new one that counts from launch.sh's start (so its pre-flight and torchrun's
-        start-up count too) and anneals from training `progress` so far."""
+        """The --time-limit budget of this job: the saved one after a torchrun restart of the same job, else a
+        new one that counts from launch.sh's start (so its pre-flight and torchrun's start-up count too) and
+        anneals from training `progress` so far.
+
+        `launches`: every rank's `launch_time()` (this rank's alone when not given). The same job is the same
+        torchrun run id, the same limit and a budget that started at one of the nodes' launch.sh starts:
+        the run id alone repeats across jobs (a multi-node job's default `RDZV_ID`, a requeued Slurm job),
+        while launch.sh's start stays the same only across torchrun's restarts. The result is the same on
+        every rank, the nodes' launch.sh having started at different moments.
+        """
         if limit_s is None:
             return None
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", f"pid{os.getpid()}")
-        if saved is not None and saved.run_id == run_id and saved.limit_s == limit_s:
+        stamps = [t for t in (launches if launches is not None else [launch_time()]) if t is not None]
+        same_job = (
+            saved is not None
+            and saved.run_id == run_id
+            and saved.limit_s == limit_s
+            and (not stamps or saved.start_wall in stamps)  # no launch.sh (bare torchrun): the run id decides
+        )
+        if same_job:
             budget = cls(saved.limit_s, saved.start_wall, saved.start_progress, run_id)
         else:
-            budget = cls(limit_s, float(os.environ.get("UNET3D_LAUNCH_TIME", started)), progress, run_id)
+            budget = cls(limit_s, min(stamps) if stamps else started, progress, run_id)
         budget.plan_reserve(None, validates)
         return budget
+
+
+def launch_time() -> float | None:
+    """When launch.sh started on this node (`UNET3D_LAUNCH_TIME`, kept by every torchrun restart it runs), or
+    None for a job started without it."""
+    stamp = os.environ.get(LAUNCH_TIME_ENV, "")
+    return float(stamp) if stamp else None
 
 
 def end_job_without_restart() -> bool:
