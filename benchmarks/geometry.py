@@ -18,7 +18,8 @@ the validation split). Prints the test mean Dice of each run,
 the gaps to the uniform run of the same seed, and two cross-evaluations that tell a weaker model from harder
 scans: the mixed-trained model on the uniform test scans, and the uniform-trained model on the mixed ones.
 Each run starts from an empty folder (a rerun replaces the last one's runs); its output is kept in
-OUT/NAME-seedS.train.log and .eval.log.
+OUT/NAME-seedS.train.log and .eval.log. Under each run: the epochs its budget bought and its compute per step
+(`training_record`), and a warning when one seed's runs trained unequal epochs (`uneven_training`).
 
 The default dataset's test split has 4 cases (two isotropic, one thick-slice axial, one sagittal scan in the
 mixed data), so one case's lesion decides a tenth of the mean. `--test-cases N` writes the datasets with N
