@@ -156,18 +156,22 @@ def _arrivals(info: dist.DistInfo, out: Path) -> None:
     began = time.monotonic()
     alone = dist.arrive("only-rank-0", wait=0.5) if info.rank == 0 else None  # nobody else ever comes
     gave_up_after = time.monotonic() - began
+    # Two of the three (one node's ranks, say) wait for each other alone; the third never comes.
+    pair = dist.arrive("pair", wait=20.0 if info.rank == 0 else 0.0, expected=2) if info.rank < 2 else None
     dist.barrier()
-    (out / f"{info.rank}.json").write_text(json.dumps([everyone, arrived_at, returned_at, alone, gave_up_after]))
+    record = [everyone, arrived_at, returned_at, alone, gave_up_after, pair]
+    (out / f"{info.rank}.json").write_text(json.dumps(record))
 
 
 def test_arrive_waits_for_late_ranks_and_gives_up_on_absent_ones(tmp_path):
     """The exit path's rendezvous: a late rank is waited for; a rank that never comes costs the wait, not a hang."""
     spawn_ranks(_arrivals, 3, tmp_path)
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
-    everyone, _, returned_at, alone, gave_up_after = results[0]
+    everyone, _, returned_at, alone, gave_up_after, pair = results[0]
     assert everyone is True
     assert returned_at >= max(r[1] for r in results), "rank 0 returned only once the last rank had arrived"
     assert alone is False and 0.5 <= gave_up_after < 5
+    assert pair is True, "the two expected ranks arrived: the third, not expected, is not waited for"
 
 
 def _ddp_released(info: dist.DistInfo, out: Path) -> None:

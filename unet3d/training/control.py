@@ -263,8 +263,10 @@ def fail_together(error: Exception, info: dist.DistInfo) -> int:
     and the job ends without torchrun restarting it. Returns the exit code: 2 for bad input, else 1."""
     log = get_logger()
     (log.error if info.is_main else lambda m: file_only(log, m))(f"error: {error}")
-    # Stopping the agent stops every local rank: first give them a moment to record the verdict too.
-    dist.arrive("failed", wait=10.0 if info.local_rank == 0 else 0.0)
+    # Stopping the agent stops every local rank: first give them a moment to record the verdict too (only
+    # this node's: another node's ranks are its own agent's to stop, and may count restarts apart).
+    node = info.rank - info.local_rank  # ranks are numbered contiguously per node
+    dist.arrive(f"failed/node{node}", wait=10.0 if info.local_rank == 0 else 0.0, expected=info.local_world_size)
     if info.local_rank == 0 and end_job_without_restart():
         file_only(log, "asked torchrun to end the job: a restart would repeat this failure")
     return 1 if isinstance(error, TrainingError) else 2

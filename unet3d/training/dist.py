@@ -252,23 +252,27 @@ def _failure(cls: type | None, message: str) -> Exception:
     return RuntimeError(message)
 
 
-def arrive(key: str, wait: float = 0.0) -> bool:
-    """Count this rank in at `key`; with `wait` > 0, then wait up to `wait` seconds for every rank.
+def arrive(key: str, wait: float = 0.0, expected: int | None = None) -> bool:
+    """Count this rank in at `key`; with `wait` > 0, then wait up to `wait` seconds for `expected` ranks (every
+    rank when None) to have arrived there.
 
     Not a collective: it goes through the process group's key-value store, so ranks that never arrive
     cost the waiter at most `wait` seconds instead of a hang. Meant for the exit path, where a rank may
-    already be gone; returns whether every rank arrived (False also when the store is unreachable).
+    already be gone; returns whether they all arrived (False also when the store is unreachable). The key is
+    this node's torchrun restart count's: ranks of one node agree on it, ranks of other nodes may not (a
+    node's agent counts only the restarts its own workers failed).
     """
     if not is_dist():
         return True
+    expected = get_world_size() if expected is None else expected
     key = f"unet3d/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{key}"
     try:
         store = dist.distributed_c10d._get_default_store()
         count = store.add(key, 1)
         deadline = time.monotonic() + wait
-        while count < get_world_size() and time.monotonic() < deadline:
+        while count < expected and time.monotonic() < deadline:
             time.sleep(0.02)
             count = store.add(key, 0)
-        return count >= get_world_size()
+        return count >= expected
     except (RuntimeError, ValueError):  # the store's host (rank 0) has gone: nobody left to wait for
         return False
