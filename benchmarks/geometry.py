@@ -157,7 +157,7 @@ def routed(metrics: dict[str, Path]) -> dict[str, float]:
     return {"mean_dice": mean_dice(rows), "num_cases": len({r["case"] for r in rows}), **protocol_scores(rows, "mixed")}
 
 
-EPOCH_LINE = re.compile(r"^epoch (\d+)(?:/\d+)?(?: stopped at step (\d+))?: ", re.M)
+EPOCH_LINE = re.compile(r"^epoch (\d+)(?:/\d+)?(?: stopped at step (\d+))?: (.*)$", re.M)
 PACE = re.compile(r"compute per step ([\d.]+)\.\.([\d.]+) s")  # over the ranks, in a run of several
 UNEVEN = 1.1  # runs of one seed whose trained epochs differ by more than this ratio are flagged
 
@@ -167,12 +167,11 @@ def training_record(log: Path) -> dict | None:
     "last_epoch_steps" of the one the budget cut (None when none was cut), and the slowest rank's compute per
     step in the first, the median and the last epoch ("compute_s_per_step", None for a run of one rank), so
     that a run the machine slowed is seen for what it is. None when the log has no epoch line."""
-    text = log.read_text() if log.is_file() else ""
-    found = [(m, text[m.end() : text.find("\n", m.end())]) for m in EPOCH_LINE.finditer(text)]
+    found = EPOCH_LINE.findall(log.read_text()) if log.is_file() else []
     if not found:
         return None
-    paces = [float(pace.group(2)) for _, rest in found if (pace := PACE.search(rest))]
-    last, stopped = found[-1][0].group(1), found[-1][0].group(2)
+    paces = [float(pace.group(2)) for _, _, rest in found if (pace := PACE.search(rest))]
+    last, stopped, _ = found[-1]
     return {
         "epochs": int(last) - (1 if stopped else 0),
         "last_epoch_steps": int(stopped) if stopped else None,
