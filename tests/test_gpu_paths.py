@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from data.plan import legacy_plan
-from tests.helpers import control_for, runtime, state_for
+from tests.helpers import control_for, runtime, spawn_ranks, state_for
 from unet3d import DiceCELoss, UNet3D
 from unet3d import precision as amp
 from unet3d.checkpoint import CheckpointError, load_checkpoint
@@ -283,18 +283,48 @@ def test_ranks_that_resolve_another_precision_are_refused():
     """V100s beside A100s: `--amp auto` is fp16 with loss scaling on some ranks, bf16 on the others."""
     from unet3d.training.runtime import check_same_precision
 
-    same = [(f"node{i}, cuda:0 = NVIDIA A100", "torch.bfloat16", "contiguous") for i in range(4)]
+    same = [(f"node{i}, cuda:0 = NVIDIA A100", "torch.bfloat16", "contiguous", None) for i in range(4)]
     assert check_same_precision("auto", same) is None
-    mixed = [*same[:3], ("node3, cuda:0 = Tesla V100-SXM2-32GB", "torch.float16", "contiguous")]
+    mixed = [*same[:3], ("node3, cuda:0 = Tesla V100-SXM2-32GB", "torch.float16", "contiguous", None)]
     with pytest.raises(
         ValueError,
         match=r"--amp auto resolved differently on the ranks \(.*rank 3 \(node3, cuda:0 = "
         r"Tesla V100-SXM2-32GB\): torch.float16, contiguous\): they must train in one precision",
     ):
         check_same_precision("auto", mixed)
-    layouts = [same[0], (same[1][0], "torch.bfloat16", "channels_last")]
+    layouts = [same[0], (same[1][0], "torch.bfloat16", "channels_last", None)]
     with pytest.raises(ValueError, match="give --amp fp16 \\(or off\\) and --memory-format"):
         check_same_precision("auto", layouts)
+
+
+def _bf16_refused_on_rank_1(info, out: Path) -> None:
+    """Rank 1 stands for a V100 beside rank 0's A100: `--amp bf16` is refused there alone."""
+    from unet3d.training import runtime as rt_module
+
+    if info.rank == 1:
+        fake_gpu(pytest.MonkeyPatch(), (7, 0))
+        real = rt_module.resolve_amp
+        rt_module.resolve_amp = lambda mode, device: real(mode, GPU)  # the refusal a V100 gives
+    try:
+        rt_module.agree_on_precision("bf16", "contiguous", CPU)
+        verdict = "accepted"
+    except ValueError as e:
+        verdict = f"ValueError: {e}"
+    (out / f"rank{info.rank}.txt").write_text(verdict)
+
+
+def test_a_precision_refused_on_some_ranks_is_refused_on_every_rank(tmp_path):
+    """`--amp bf16` on a job of A100s and V100s: the V100 ranks refuse it. Were they to raise before the
+    ranks compare their precisions, the A100 ranks would wait in that gather until the collective timeout;
+    every rank must end with the same refusal instead."""
+    spawn_ranks(_bf16_refused_on_rank_1, 2, tmp_path, timeout=60)
+    verdicts = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert verdicts[0] == verdicts[1], verdicts
+    assert (
+        verdicts[0].startswith("ValueError: rank 1 (")
+        and "Tesla V100-SXM2-32GB (compute capability 7.0) has no" in verdicts[0]
+    )
+    assert "bf16 tensor cores" in verdicts[0] and "use --amp fp16" in verdicts[0]
 
 
 def test_probabilities_go_back_to_a_fine_scans_grid_on_the_host_when_it_would_not_fit(monkeypatch):

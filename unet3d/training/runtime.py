@@ -72,35 +72,60 @@ def resolve_config(cfg: TrainConfig, run: RunData, info: dist.DistInfo) -> Train
 def make_runtime(cfg: TrainConfig, info: dist.DistInfo, run: RunData) -> Runtime:
     """The Runtime of this rank, for training on `run`'s data (planned and cached)."""
     cfg = resolve_config(cfg, run, info)
-    amp_dtype = resolve_amp(cfg.amp, info.device)
-    memory_format = resolve_memory_format(cfg.memory_format, info.device, amp_dtype)
     torch.backends.cudnn.benchmark = True  # one patch size throughout: let cuDNN pick its fastest kernels
-    where = f"{socket.gethostname()}, {info.device}"
-    if info.device.type == "cuda":
-        where += f" = {torch.cuda.get_device_name(info.device)}"
-    ranks = dist.all_gather_object((where, str(amp_dtype), format_name(memory_format)))
-    check_same_precision(cfg.amp, ranks)  # every rank has the same list: all raise or none
+    amp_dtype, memory_format, where = agree_on_precision(cfg.amp, cfg.memory_format, info.device)
     return Runtime(
         cfg=cfg,
         dist=info,
         amp_dtype=amp_dtype,
         memory_format=memory_format,
         steps_per_epoch=cfg.samples_per_epoch // (cfg.batch_size * info.world_size),
-        where=tuple(w for w, _, _ in ranks),
+        where=where,
     )
 
 
-def check_same_precision(amp: str, ranks: list[tuple[str, str, str]]) -> None:
-    """Refuse a job whose ranks resolved `--amp` (or the memory format) differently: on GPUs of two kinds
-    (V100s beside A100s) `auto` gives fp16 with loss scaling on some ranks and bf16 without on others, and
-    DistributedDataParallel would average scaled with unscaled gradients.
+def agree_on_precision(
+    amp: str, memory_format: str, device: torch.device
+) -> tuple[torch.dtype | None, torch.memory_format, tuple[str, ...]]:
+    """This rank's autocast dtype and layout, the same on every rank or refused on every rank (a collective).
+
+    A refusal that only some ranks reach (`--amp bf16` on the V100s of a job beside A100s) is gathered, not
+    raised where it arises: a rank that raised before the gather would leave the others waiting in it.
+
+    Returns:
+        (autocast dtype or None, memory format, every rank's "host, device" in rank order).
+    """
+    where = f"{socket.gethostname()}, {device}"
+    if device.type == "cuda":
+        where += f" = {torch.cuda.get_device_name(device)}"
+    amp_dtype, layout, refusal = None, torch.contiguous_format, None
+    try:
+        amp_dtype = resolve_amp(amp, device)
+        layout = resolve_memory_format(memory_format, device, amp_dtype)
+    except ValueError as e:
+        refusal = str(e)
+    ranks = dist.all_gather_object((where, str(amp_dtype), format_name(layout), refusal))
+    check_same_precision(amp, ranks)  # every rank has the same list: all raise or none
+    return amp_dtype, layout, tuple(r[0] for r in ranks)
+
+
+def check_same_precision(amp: str, ranks: list[tuple[str, str, str, str | None]]) -> None:
+    """Refuse a job where some rank refused its precision, or whose ranks resolved `--amp` (or the memory
+    format) differently: on GPUs of two kinds (V100s beside A100s) `auto` gives fp16 with loss scaling on
+    some ranks and bf16 without on others, and DistributedDataParallel would average scaled with unscaled
+    gradients.
 
     Args:
-        ranks: every rank's (host and device, precision, memory format), in rank order.
+        ranks: every rank's (host and device, precision, memory format, refusal or None), in rank order.
     """
-    if len({(dtype, layout) for _, dtype, layout in ranks}) <= 1:
+    refused = [(i, w, refusal) for i, (w, _, _, refusal) in enumerate(ranks) if refusal is not None]
+    if refused:
+        i, w, refusal = refused[0]
+        others = f" (and {len(refused) - 1} more ranks)" if len(refused) > 1 else ""
+        raise ValueError(f"rank {i} ({w}){others}: {refusal}")
+    if len({(dtype, layout) for _, dtype, layout, _ in ranks}) <= 1:
         return
-    listed = "; ".join(f"rank {i} ({w}): {dtype}, {layout}" for i, (w, dtype, layout) in enumerate(ranks))
+    listed = "; ".join(f"rank {i} ({w}): {dtype}, {layout}" for i, (w, dtype, layout, _) in enumerate(ranks))
     raise ValueError(
         f"--amp {amp} resolved differently on the ranks ({listed}): they must train in one precision and "
         "layout; give --amp fp16 (or off) and --memory-format for a job across these GPUs"
