@@ -135,7 +135,9 @@ def select(args: argparse.Namespace, members) -> tuple[list[InputCase], dict[str
     data_dir = args.data_dir or (cfg or {}).get("data_dir")
     if data_dir is None:
         raise ValueError(f"{members[0].source} carries no configuration: give --data-dir")
-    spec = load_dataset_json(data_dir)
+    # Only the chosen split's files are read: test images copied elsewhere (or not at all) do not stop the
+    # validation split from being scored, and a missing file is one failed case, the rest scored.
+    spec = load_dataset_json(data_dir, require_files=False)
     if args.split == "test":
         if not spec.test:
             raise ValueError(f"{spec.root / 'dataset.json'} lists no test images")
@@ -339,7 +341,7 @@ def fold_scores(rows, owner, class_names) -> dict[str, float]:
 
 def saved_pairs(args, result, out: Path):
     """(prediction, reference) of every scored case, read back from the predictions written."""
-    spec = load_dataset_json(result["data_dir"])
+    spec = load_dataset_json(result["data_dir"], require_files=False)  # the scored cases' labels alone are read
     labels = {c.name: c.label for c in spec.training}
     for case in sorted({d["case"] for d in result["done"]}):
         pred = np.asarray(nib.load(out / "predictions" / f"{case}.nii.gz").dataobj)

@@ -175,6 +175,30 @@ def test_a_label_training_would_refuse_is_one_failed_case_and_the_rest_is_scored
     assert not (out / "predictions" / "synth_007.nii.gz").exists()
 
 
+def test_only_the_chosen_splits_files_are_needed_and_a_missing_one_is_one_failed_case(
+    weights, tiny_dataset, tmp_path, capsys
+):
+    """dataset.json lists the test images, but a copy of the dataset often lacks them: the validation split is
+    still scored. A test image that is missing fails its own case; the others are predicted and scored."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    missing = data / "imagesTs" / "synth_007.nii.gz"
+    missing.unlink()
+    torch.save(weights, tmp_path / "w.pt")
+    common = ["--checkpoint", str(tmp_path / "w.pt"), "--data-dir", str(data), "--device", "cpu", "--window", "16"]
+    assert evaluate.main([*common, "--split", "val", "--out-dir", str(tmp_path / "val")]) == 0
+    summary = json.loads((tmp_path / "val" / "summary.json").read_text())
+    assert summary["split"] == "val" and summary["num_cases"] == summary["num_scored"] == 1
+
+    capsys.readouterr()
+    out = tmp_path / "test"
+    assert evaluate.main([*common, "--split", "test", "--out-dir", str(out)]) == 1, "the failure shows in the exit code"
+    err = capsys.readouterr().err
+    assert "error: synth_007: " in err and str(missing) in err, err
+    rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
+    assert {r["case"] for r in rows} == {"synth_006"}, "the other case is still predicted and scored"
+
+
 def test_cases_sharded_over_workers_are_scored_as_by_one_with_undefined_hd95(weights, tiny_dataset, tmp_path):
     """A model that predicts only background leaves every foreground HD95 undefined (NaN): the shards hand their
     rows over as JSON, where NaN is null, and the merged summary and metrics.csv must equal one process's."""
