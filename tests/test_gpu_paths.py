@@ -107,7 +107,7 @@ def _resume_fixture_into(scaler: torch.amp.GradScaler, warnings: list[str], path
     model = UNet3D(**checkpoint["model_args"])
     state = state_for(rt, model)
     state.scaler = scaler
-    state.load(checkpoint, source=str(path), rank=0, warn=warnings.append)
+    state.load(checkpoint, source=str(path), rank=0, world_size=1, warn=warnings.append)
     return state
 
 
@@ -251,7 +251,7 @@ def test_a_resume_into_fused_kernels_puts_the_step_counts_on_the_parameters_devi
     resumed = state_for(rt, UNet3D(1, 3, (4, 8)).to("meta"))
     for group in resumed.optimizer.param_groups:
         group.update(fused=True, foreach=None)
-    resumed.load(checkpoint, source="adamw.pt", rank=0, warn=lambda message: None)
+    resumed.load(checkpoint, source="adamw.pt", rank=0, world_size=1, warn=lambda message: None)
     for group in resumed.optimizer.param_groups:
         assert group["fused"] is True
         for param in group["params"]:
@@ -269,7 +269,7 @@ def test_a_resume_in_another_memory_format_gives_the_buffers_the_weights_strides
     torch.manual_seed(0)
     checkpoint = _trained_state(runs[saved], amp.apply_memory_format(UNet3D(1, 3, (4, 8)), formats[saved]))
     state = state_for(runs[resumed], amp.apply_memory_format(UNet3D(1, 3, (4, 8)), formats[resumed]))
-    state.load(checkpoint, source="other_format.pt", rank=0, warn=print)
+    state.load(checkpoint, source="other_format.pt", rank=0, world_size=1, warn=print)
     five_d = [p for p in state.model.parameters() if p.dim() == 5 and p.shape[-1] > 1]
     assert five_d and any(p.stride() != torch.empty(p.shape).stride() for p in five_d) == (resumed != "contiguous")
     saved_state = checkpoint["optimizer"]["state"]

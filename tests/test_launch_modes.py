@@ -65,6 +65,14 @@ def test_single_process_without_a_launcher(shared, tmp_path):
     summary = json.loads((out / "eval_val" / "summary.json").read_text())
     assert summary["num_cases"] == 5 and abs(summary["mean_dice"] - best["best_metric"]) < 1e-4
 
+    # Between epochs a job may continue on more ranks: the one process's generator states fit none of them.
+    more = run(["bash", "launch.sh", "cpu:2", *options(shared, out), "--epochs", "2"], timeout=300)
+    assert more.returncode == 0, f"stdout:\n{more.stdout}\nstderr:\n{more.stderr}"
+    assert "1 epoch(s) and 0 step(s) done" in more.stdout and "epoch 2/2: loss" in more.stdout
+    assert "was written by 1 rank(s), this run has 2: the random generators start from the seed" in more.stdout
+    last = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    assert last["epoch"] == 2 and last["world_size"] == 2 and len(last["rng"]) == 2
+
 
 @pytest.mark.parametrize("world", [1, 3, 6])
 def test_launch_cpu_n_trains_and_evaluate_reproduces_best(shared, tmp_path, world):

@@ -107,7 +107,7 @@ def check_resumable(rt: Runtime, checkpoint: dict[str, Any], model_args: dict[st
 
 def resume(rt: Runtime, state: TrainState, checkpoint: dict[str, Any], source: Path) -> None:
     """Load `checkpoint` (read onto this rank's device) into `state`, before DDP wraps its model."""
-    state.load(checkpoint, source=str(source), rank=rt.dist.rank, warn=get_logger().warning)
+    state.load(checkpoint, source=str(source), rank=rt.dist.rank, world_size=rt.world_size, warn=get_logger().warning)
     get_logger().info(f"resumed from {source}: {state.epoch} epoch(s) and {state.step} step(s) done")
 
 

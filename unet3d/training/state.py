@@ -109,11 +109,22 @@ class TrainState:
             "time_budget": self.budget.state_dict() if self.budget is not None else None,
         }
 
-    def load(self, checkpoint: dict[str, Any], *, source: str, rank: int, warn: Callable[[str], None]) -> None:
-        """Continue from `checkpoint` (a `state_dict()` of format 1 or 2, loaded onto this rank's device).
+    def load(
+        self,
+        checkpoint: dict[str, Any],
+        *,
+        source: str,
+        rank: int,
+        world_size: int,
+        warn: Callable[[str], None],
+    ) -> None:
+        """Continue from `checkpoint` (a `state_dict()` of format 1 or 2, loaded onto this rank's device) as
+        rank `rank` of `world_size`.
 
-        This rank's generator states are restored when the world size is the one that wrote them. The saved
-        time budget is restored as it was; `TimeBudget.for_job` decides whether it still applies.
+        This rank's generator states are restored when this run has as many ranks as the one that wrote them
+        (a run on more ranks has no saved state for its extra ones, one on fewer would take other ranks'
+        streams). The saved time budget is restored as it was; `TimeBudget.for_job` decides whether it
+        still applies.
         """
         load_weights(self.model, checkpoint["model"], source)
         # load_state_dict replaces each group's settings with the saved ones, the kernel flags too: a bf16
@@ -136,8 +147,13 @@ class TrainState:
         else:
             self.scaler.load_state_dict(checkpoint["scaler"])  # a no-op for a disabled scaler
         saved_rng = checkpoint.get("rng") or []
-        if len(saved_rng) == checkpoint.get("world_size"):
+        if len(saved_rng) == checkpoint.get("world_size") == world_size:
             rng.restore(saved_rng[rank], next(self.model.parameters()).device)  # the model is on this rank's device
+        elif saved_rng and rank == 0:
+            warn(
+                f"{source} was written by {len(saved_rng)} rank(s), this run has {world_size}: the random "
+                "generators start from the seed, not from where that run left them"
+            )
         self.epoch = int(checkpoint["epoch"])
         step = int(checkpoint.get("step", 0))
         self.partial_epoch = PartialEpoch(**checkpoint["epoch_partial"]) if step else PartialEpoch()
