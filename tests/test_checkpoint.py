@@ -170,3 +170,21 @@ def test_a_failed_save_leaves_the_last_checkpoint_and_no_rank_waiting(tmp_path):
     assert outcomes[1][0].startswith("OSError: rank 0 failed: OSError: [Errno 28]") and outcomes[1][1] < 10
     assert load_checkpoint(tmp_path / "last.pt", "cpu")["epoch"] == 1
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".pt") == ["last.pt"]
+
+
+def test_a_resume_at_an_epoch_boundary_names_a_changed_seed_batch_or_epoch_length():
+    """Between epochs the batch size, the epoch's length and the seed may change (mid-epoch they are refused):
+    each changes what the run trains on, so the warning must name it."""
+    import dataclasses
+
+    from unet3d.training.checkpointing import check_compatible
+    from unet3d.training.config import TrainConfig
+
+    saved = dataclasses.asdict(TrainConfig(seed=0, batch_size=2, samples_per_epoch=128, epochs=2))
+    now = {**saved, "seed": 3, "batch_size": 4, "samples_per_epoch": 64, "epochs": 3, "num_workers": 7}
+    args = {"in_channels": 1, "num_classes": 3}
+    state = {"config": saved, "model_args": args, "world_size": 2, "step": 0}
+    changed = check_compatible(state, now, args, 1, Path("last.pt"))
+    assert changed == ["batch_size", "epochs", "samples_per_epoch", "seed"], "num_workers changes without a word"
+    with pytest.raises(CheckpointError, match=r"seed \(checkpoint 0, now 3; needed to resume mid-epoch\)"):
+        check_compatible({**state, "step": 5}, now, args, 2, Path("last.pt"))

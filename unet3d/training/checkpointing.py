@@ -153,7 +153,7 @@ def check_compatible(
                 errors.append(f"{name} (checkpoint {saved.get(name)}, now {config[name]}; needed to resume mid-epoch)")
     if errors:
         raise CheckpointError(f"cannot resume from {source}: the configuration differs in " + "; ".join(errors))
-    ignored = set(FREE_FIELDS) | set(STRICT_FIELDS) | set(POSITION_FIELDS)
+    ignored = set(FREE_FIELDS) | set(STRICT_FIELDS)  # (a changed position field mid-epoch was refused above)
     # options newer than the checkpoint are not "changed": it was trained before they existed
     return sorted(k for k in config if k not in ignored and k in saved and _plain(saved[k]) != _plain(config[k]))
 
