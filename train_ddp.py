@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from data.dataset import close_loader
 from unet3d.checkpoint import load_checkpoint
+from unet3d.files import writable_folder
 from unet3d.loss import build_loss
 from unet3d.training import dist
 from unet3d.training.checkpointing import (
@@ -59,8 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.prepare_only:
         return preflight(cfg)  # launch.sh's check, before any rank starts
     info = dist.setup(timedelta(seconds=cfg.dist_timeout), timedelta(seconds=cfg.setup_timeout))
-    setup_logging(info.rank, Path(cfg.out_dir) / "logs")
+    setup_logging(info.rank)  # the console, until the run folder is known to take files
     try:
+        logs = dist.run_on_local_main(
+            lambda: writable_folder(Path(cfg.out_dir) / "logs", f"--out-dir {cfg.out_dir}"), info
+        )
+        setup_logging(info.rank, logs)
         return train(cfg, info, started)
     except (*INPUT_ERRORS, TrainingError) as e:  # every rank reached the same verdict
         return fail_together(e, info)

@@ -95,6 +95,20 @@ def test_no_validation_case_is_refused_before_training(shared, tmp_path):
     assert not (out / "logs").exists(), "no rank may start"
 
 
+def test_an_out_dir_that_cannot_be_written_is_refused_before_training(shared, tmp_path):
+    """A file in the way of --out-dir: launch.sh's pre-flight says so once and starts no rank; a single process
+    (no pre-flight) says the same and exits as for bad input, not with a traceback."""
+    (tmp_path / "taken").write_text("a file, not a folder")
+    out = tmp_path / "taken" / "run"
+    message = f"error: --out-dir {out}: cannot write {out / 'logs'} (Not a directory)"
+    launched = run(["bash", "launch.sh", "cpu:2", *options(shared, out)], timeout=120)
+    assert launched.returncode == 2 and launched.stdout.count(message) == 1, launched.stdout
+    assert "rank 0 -> cpu" in launched.stdout and "Traceback" not in launched.stdout + launched.stderr
+    alone = run(["python", "train_ddp.py", *options(shared, out)], timeout=120, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert alone.returncode == 2 and message in alone.stdout, alone.stdout + alone.stderr
+    assert "Traceback" not in alone.stderr
+
+
 def test_the_gpu_recipe_trains_evaluates_and_resumes_on_the_cpu(shared, tmp_path):
     """The GPU defaults' ingredients (deep supervision, nnU-Net's augmentation) through every stage on two
     gloo ranks (`launch.sh cpu`, whose default is two): the checkpoint holds the auxiliary heads, evaluate.py

@@ -21,6 +21,24 @@ def temp_path(path: str | Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
+def writable_folder(path: str | Path, named: str) -> Path:
+    """`path`, created with its parents, once a file has been written there and removed.
+
+    Raises:
+        ValueError: starting with `named` (the option and its value) and naming the folder, where it cannot be
+            created or written (a read-only or missing mount, a file in the way, no permission).
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = temp_path(path / "write-test")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"{named}: cannot write {path} ({e.strerror or e})") from e
+    return path
+
+
 def atomic_write(
     path: str | Path,
     write: Callable[[BinaryIO], object],

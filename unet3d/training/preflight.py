@@ -11,6 +11,7 @@ import torch
 
 from data.prepare import DatasetError, build, in_processes, inspect, resolve_data
 from unet3d.checkpoint import CheckpointError
+from unet3d.files import writable_folder
 from unet3d.training.checkpointing import check_compatible, find_resume, follow_checkpoint
 from unet3d.training.config import TrainConfig, plan_request
 from unet3d.training.dist import DistInfo, check_gpus_visible
@@ -46,6 +47,9 @@ def preflight(cfg: TrainConfig) -> int:
         if found is not None:
             args = run.plan.model_args(run.spec.in_channels, run.spec.num_classes)
             check_compatible(checkpoint, dataclasses.asdict(resolved), args, world, found[0])
+        writable_folder(
+            os.path.join(cfg.out_dir, "logs"), f"--out-dir {cfg.out_dir}"
+        )  # last: a refused job leaves no folder
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         log.error(f"error: {e}")
         return 2
