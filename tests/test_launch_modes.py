@@ -107,6 +107,11 @@ def test_an_out_dir_that_cannot_be_written_is_refused_before_training(shared, tm
     alone = run(["python", "train_ddp.py", *options(shared, out)], timeout=120, env={"CUDA_VISIBLE_DEVICES": ""})
     assert alone.returncode == 2 and message in alone.stdout, alone.stdout + alone.stderr
     assert "Traceback" not in alone.stderr
+    # the same for the synthetic dataset's folder, which the pre-flight writes
+    synthetic = ["--synthetic-dir", str(tmp_path / "taken" / "syn")]
+    unwritten = run(["bash", "launch.sh", "cpu:2", *options(shared, tmp_path / "run"), *synthetic], timeout=120)
+    assert unwritten.returncode == 2 and "error: [Errno 20] Not a directory: " in unwritten.stdout, unwritten.stdout
+    assert str(tmp_path / "taken" / "syn") in unwritten.stdout and "Traceback" not in unwritten.stderr
 
 
 def test_the_gpu_recipe_trains_evaluates_and_resumes_on_the_cpu(shared, tmp_path):

@@ -50,7 +50,7 @@ def preflight(cfg: TrainConfig) -> int:
         writable_folder(
             os.path.join(cfg.out_dir, "logs"), f"--out-dir {cfg.out_dir}"
         )  # last: a refused job leaves no folder
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
+    except (ValueError, OSError, CheckpointError) as e:  # OSError: a folder it cannot write, a full disk
         log.error(f"error: {e}")
         return 2
     note = f"will resume from {found[0]}" if found is not None else "starting fresh"
