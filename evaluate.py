@@ -186,6 +186,7 @@ def evaluate(args: argparse.Namespace, gpu: int | None) -> int:
     cases, owner, spec = select(args, members)
     class_names = names[0] or (spec.class_names if spec else [f"class{k}" for k in range(members[0].model.num_classes)])
     names = [n or class_names for n in names]
+    check_dataset_classes(members[0], names[0], spec)
     if len(class_names) != members[0].model.num_classes:
         raise ValueError(f"the model predicts {members[0].model.num_classes} classes but the data has {class_names}")
     plans = [member_plan(m, spec or _spec_for(m, class_names), print) for m in members]
@@ -210,6 +211,21 @@ def evaluate(args: argparse.Namespace, gpu: int | None) -> int:
         write_json({**info, **result}, out / "shards" / f"{shard}.json")
         return 0
     return finish(args, {**info, **result}, [])
+
+
+def check_dataset_classes(member, trained: list[str], spec) -> None:
+    """Refuse to score a model on a dataset of another number of classes (its Dice would be computed under
+    the model's class names, for labels that mean something else); warn where only the names differ."""
+    if spec is None or not member.checkpoint.get("class_names"):
+        return
+    declared = list(spec.class_names)
+    if len(declared) != len(trained):
+        raise ValueError(
+            f"{member.source} was trained on {len(trained)} classes {trained}, but {spec.root / 'dataset.json'} "
+            f"declares {len(declared)}: {declared}; score it on a dataset of its own classes"
+        )
+    if declared != list(trained):
+        print(f"warning: {member.source} names its classes {trained}, {spec.root / 'dataset.json'} {declared}")
 
 
 def _raise(message: str) -> None:

@@ -199,6 +199,27 @@ def test_only_the_chosen_splits_files_are_needed_and_a_missing_one_is_one_failed
     assert {r["case"] for r in rows} == {"synth_006"}, "the other case is still predicted and scored"
 
 
+def test_a_dataset_of_other_classes_than_the_models_is_refused(weights, tiny_dataset, tmp_path, capsys):
+    """The lesion merged into the organ: scored under the model's names, the absent lesion would count as a
+    perfect class. Another number of classes is refused; other names for as many classes are a warning."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    meta = json.loads((data / "dataset.json").read_text())
+    trained = ["background", "organ", "lesion"]
+    torch.save({"model": weights, "class_names": trained, "epoch": 1}, tmp_path / "c.pt")
+    argv = ["--checkpoint", str(tmp_path / "c.pt"), "--data-dir", str(data), "--split", "test", "--device", "cpu"]
+    argv += ["--window", "16", "--out-dir", str(tmp_path / "eval")]
+    (data / "dataset.json").write_text(json.dumps({**meta, "labels": {"0": "background", "1": "organ"}}))
+    assert evaluate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"was trained on 3 classes {trained}, but {data / 'dataset.json'} declares 2: ['background', 'organ']" in err
+    assert not (tmp_path / "eval" / "metrics.csv").exists()
+    renamed = {"0": "background", "1": "liver", "2": "tumour"}
+    (data / "dataset.json").write_text(json.dumps({**meta, "labels": renamed}))
+    assert evaluate.main(argv) == 0
+    assert "['background', 'liver', 'tumour']" in capsys.readouterr().out
+
+
 def test_cases_sharded_over_workers_are_scored_as_by_one_with_undefined_hd95(weights, tiny_dataset, tmp_path):
     """A model that predicts only background leaves every foreground HD95 undefined (NaN): the shards hand their
     rows over as JSON, where NaN is null, and the merged summary and metrics.csv must equal one process's."""
