@@ -167,5 +167,52 @@ else
   # addresses only, so an address on another interface (a cluster's InfiniBand IP) made every node a client,
   # and the job waited for a store that nobody started.
 fi
-exec "${torchrun[@]}" "${rendezvous[@]}" --nproc-per-node "$nproc_per_node" --max-restarts "$MAX_RESTARTS" \
-  "$here/train_ddp.py" "$@"
+
+# Stopping. A signal to this script alone (SIGTERM, SIGINT or SIGHUP: `kill` of its pid, a scheduler that
+# signals the batch shell) is passed to the ranks: the first makes them finish the step, save and exit 0,
+# and torchrun with them; a second one 2 s or more later ends them at once. Ctrl-C in the terminal and a
+# scheduler that signals every process reach torchrun too, which passes the signal on and then exits 1
+# with a SignalException once its ranks have ended; every rank that stopped and saved has written a line
+# to UNET3D_STOP_FILE by then, and when all of this node's did, the stop was graceful: exit code 0.
+children() {  # the processes whose parent is $1: torchrun's ranks
+  local stat fields ppid
+  for stat in /proc/[0-9]*/stat; do
+    read -r fields 2>/dev/null <"$stat" || continue  # (gone meanwhile)
+    fields=${fields##*) }  # past "pid (command) "
+    read -r _ ppid _ <<<"$fields"
+    if [[ $ppid == "$1" ]]; then
+      stat=${stat#/proc/}
+      echo "${stat%/stat}"
+    fi
+  done
+}
+forward() {  # $1: the signal to pass on
+  local ranks
+  ranks=$(children "$torchrun_pid")
+  if [[ -n $ranks ]]; then
+    echo "launch.sh: SIG$1: passed to the ranks, which stop after their step (a second signal ends them)" >&2
+    # shellcheck disable=SC2086  # one pid per word
+    kill -s "$1" $ranks 2>/dev/null || true
+  else  # no rank started yet: torchrun ends (it started with SIGINT ignored, as background commands do)
+    echo "launch.sh: SIG$1 before the ranks started: ending torchrun" >&2
+    kill -s TERM "$torchrun_pid" 2>/dev/null || true
+  fi
+}
+UNET3D_STOP_FILE=$(mktemp "${TMPDIR:-/tmp}/unet3d-stop.XXXXXX")
+export UNET3D_STOP_FILE
+trap 'rm -f "$UNET3D_STOP_FILE"' EXIT
+"${torchrun[@]}" "${rendezvous[@]}" --nproc-per-node "$nproc_per_node" --max-restarts "$MAX_RESTARTS" \
+  "$here/train_ddp.py" "$@" &
+torchrun_pid=$!
+trap 'forward INT' INT
+trap 'forward TERM' TERM HUP
+while :; do
+  rc=0
+  wait "$torchrun_pid" || rc=$?
+  kill -0 "$torchrun_pid" 2>/dev/null || break  # else a signal's trap interrupted the wait
+done
+if ((rc != 0)) && (($(grep -c . "$UNET3D_STOP_FILE" || true) == nproc_per_node)); then
+  echo "launch.sh: torchrun ended on the signal after all $nproc_per_node rank(s) had stopped and saved" >&2
+  rc=0
+fi
+exit "$rc"

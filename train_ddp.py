@@ -38,6 +38,7 @@ from unet3d.training.control import (
     fail_alone,
     fail_together,
     launch_time,
+    report_graceful_stop,
 )
 from unet3d.training.epoch import train_one_epoch
 from unet3d.training.faults import inject_faults
@@ -131,6 +132,7 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
         if reporter is not None:
             reporter.close()
     get_logger().info(closing_words(rt, state, stats))
+    report_graceful_stop(stats.stopped if stats is not None else None)
     return 0
 
 

@@ -155,6 +155,34 @@ def test_sigterm_stops_all_ranks_and_resuming_equals_an_uninterrupted_run(shared
     assert loss_steps(out) == [1, 2]
 
 
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM to launch.sh"])
+def test_a_signal_to_the_launcher_stops_the_ranks_gracefully_and_exits_0(shared, tmp_path, how):
+    """Ctrl-C in the terminal reaches launch.sh and torchrun (one process group): torchrun passes it on and
+    exits 1 with its SignalException, and launch.sh, told by every rank that it stopped and saved, exits 0.
+    A SIGTERM to launch.sh alone (`kill PID`, a scheduler signalling the batch shell) is passed to the
+    ranks, and torchrun ends as they do, with 0."""
+    out, scratch = tmp_path / "run", tmp_path / "tmp"
+    scratch.mkdir()
+    proc = start(*options(shared, out, 2), env={"TMPDIR": str(scratch)})
+    wait_for(out / "logs" / "rank0.log", r"epoch 1/2:")
+    assert len(list(scratch.glob("unet3d-stop.*"))) == 1, "launch.sh's file for the ranks' stop lines"
+    if how == "Ctrl-C":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+    rc, stdout, stderr = finish(proc, timeout=60)
+    assert rc == 0, stderr[-3000:]
+    assert "stopped by a stop signal" in stdout and "run the same command again to continue" in stdout
+    stopped = checkpoint(out)
+    assert stopped["epoch"] == 1 and 0 < stopped["step"] < EPOCH_STEPS, "the position inside epoch 2 is recorded"
+    graceful = "launch.sh: torchrun ended on the signal after all 2 rank(s) had stopped and saved"
+    if how == "Ctrl-C":
+        assert "SignalException" in stderr and graceful in stderr, stderr[-3000:]
+    else:
+        assert "passed to the ranks, which stop after their step" in stderr and "SignalException" not in stderr
+    assert not list(scratch.glob("unet3d-stop.*")), "launch.sh removes its file"
+
+
 # --- non-finite steps -----------------------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from unet3d.training.logs import file_only, get_logger
 from unet3d.training.timing import StepTimer
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_FILE_ENV = "UNET3D_STOP_FILE"  # launch.sh's file for the ranks that stopped gracefully on a signal
 DEBOUNCE_S = 2.0  # one event often arrives twice (the terminal's Ctrl-C and torchrun forwarding it)
 EXIT_MARGIN_S = 3.0  # a time-limited run's allowance for writing the last checkpoint and exiting
 LAUNCH_TIME_ENV = "UNET3D_LAUNCH_TIME"  # set by launch.sh: --time-limit counts from there
@@ -160,6 +161,22 @@ def launch_time() -> float | None:
     None for a job started without it."""
     stamp = os.environ.get(LAUNCH_TIME_ENV, "")
     return float(stamp) if stamp else None
+
+
+def report_graceful_stop(stopped: StopReason | None) -> None:
+    """After a stop on a signal (the checkpoint saved), add this rank's line to launch.sh's UNET3D_STOP_FILE.
+
+    torchrun that got the signal too (a scheduler signals every process) exits 1 with a SignalException
+    once its ranks have ended; launch.sh reads here that every rank of its node stopped and saved, and exits
+    0 as a graceful stop should. Nothing without launch.sh."""
+    path = os.environ.get(STOP_FILE_ENV)
+    if stopped is not StopReason.SIGNAL or not path:
+        return
+    try:
+        with open(path, "a") as f:  # one short append per rank: whole lines
+            f.write(f"rank {os.environ.get('RANK', '0')}\n")
+    except OSError as e:  # launch.sh then reports torchrun's exit code, as it would without the file
+        get_logger().warning(f"could not tell launch.sh of the graceful stop ({path}: {e.strerror or e})")
 
 
 def end_job_without_restart() -> bool:
