@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ from unet3d.inference.cases import InputCase, folder_cases, load_case_image
 from unet3d.inference.devices import choose_device
 from unet3d.inference.metrics import case_metrics
 from unet3d.inference.outputs import (
+    claim_folder,
     print_table,
     rows_from_json,
     save_prediction,
@@ -93,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-probabilities", action="store_true", help="also write CASE.npz: float16 probabilities")
     p.add_argument("--postprocess", metavar="FILE", help="apply a post-processing file (written by --split cv)")
     p.add_argument("--overview-cases", type=int, default=4, help="cases drawn in overview.png (default: 4)")
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="with --images: segment every case again, also those an earlier run wrote (which are otherwise "
+        "skipped, and refused when that run's settings differ)",
+    )  # fmt: skip
     p.add_argument("--shard", help=argparse.SUPPRESS)  # I/N: this process's share, started by the sharding parent
     bare = p.add_argument_group("for bare state dicts, which carry no configuration")
     bare.add_argument("--in-channels", type=int, help="input channels (default: inferred from the weights)")
@@ -112,12 +119,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--gpu {args.gpu}: give distinct physical GPU ids, e.g. 5 or 5,6,7")
         if args.workers < 1 or (args.workers > 1 and (gpus or (args.device or "cpu") != "cpu")):
             raise ValueError(f"--workers {args.workers}: N >= 1, and more than one only with --device cpu")
+        if args.images and not args.shard:  # the shards' parent, or the one process
+            claim_folder(output_dir(args), segmentation_settings(args), args.overwrite)
         if len(gpus) > 1 or args.workers > 1:
             return run_shards(argv, args, gpus)
         return evaluate(args, gpus[0] if gpus else None)
     except (ValueError, FileNotFoundError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2
+
+
+def segmentation_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What decides the segmentations of `--images`: each checkpoint (its file, size and time), the window,
+    overlap, TTA, precision, post-processing, probabilities and the bare-weights architecture."""
+    checkpoints = []
+    for path in args.checkpoint:
+        info = Path(path).resolve().stat() if Path(path).is_file() else None
+        checkpoints.append(
+            [str(Path(path).resolve()), info.st_size if info else None, info.st_mtime_ns if info else None]
+        )
+    rules = Path(args.postprocess).read_text() if args.postprocess and Path(args.postprocess).is_file() else None
+    return {
+        "checkpoints": checkpoints, "window": args.window, "overlap": args.overlap, "tta": args.tta,
+        "amp": args.amp, "postprocess": rules, "save_probabilities": args.save_probabilities,
+        "in_channels": args.in_channels, "num_classes": args.num_classes, "features": args.features,
+    }  # fmt: skip
 
 
 def output_dir(args: argparse.Namespace) -> Path:
@@ -248,7 +274,7 @@ def predict_cases(args, predictor: Predictor, cases, owner, out: Path, first: bo
     rows, errors, done, skipped, overview = [], [], [], [], []
     for case in tqdm(cases, desc="segment" if args.images else f"evaluate {args.split}", unit="case"):
         target = folder / f"{case.name}.nii.gz"
-        if args.images and target.exists():
+        if args.images and target.exists() and not args.overwrite:
             skipped.append(case.name)  # written by an earlier run (writes are atomic: it is complete)
             continue
         began = time.perf_counter()
@@ -385,7 +411,9 @@ def run_shards(argv: list[str], args: argparse.Namespace, gpus: list[int]) -> in
     first = json.loads(files[0].read_text())
     merged = {k: v for k, v in first.items() if k not in (*MERGED, "owners")}
     merged["inference"]["shards"] = [f"physical GPU {g}" for g in gpus] or [f"cpu x {count}"]
-    return finish(args, merged, files)
+    code = finish(args, merged, files)
+    shutil.rmtree(out / "shards", ignore_errors=True)  # merged into summary.json
+    return code
 
 
 def _strip(argv: list[str], options: tuple[str, ...]) -> list[str]:

@@ -83,6 +83,16 @@ def test_a_folder_of_new_scans(folder, tmp_path, capsys):
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.nii.gz")} == stamps, "a second run writes nothing"
     assert "0 case(s) written, 3 already there, 1 failed" in capsys.readouterr().out
 
+    # Other settings would skip the cases written and record themselves as what made them: refused, so
+    # nothing is rewritten; --overwrite segments every case again under the new settings.
+    assert evaluate.main([*argv, "--tta"]) == 2
+    assert f"{out} holds segmentations made with other settings (tta (then False, now True))" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.nii.gz")} == stamps
+    assert evaluate.main([*argv, "--tta", "--overwrite"]) == 1
+    assert "3 case(s) written, 0 already there, 1 failed" in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["inference"]["tta"] is True
+    assert evaluate.main([*argv, "--tta"]) == 1, "the folder is now the TTA run's"
+
 
 def test_scans_training_would_refuse_are_named_and_skipped(tmp_path, capsys):
     """A NaN voxel (SPM and some registration tools write them outside the field of view) would make the whole
@@ -157,6 +167,7 @@ def test_two_cpu_workers_write_the_files_one_worker_writes(folder, tmp_path):
         assert np.array_equal(np.asarray(a.dataobj), np.asarray(b.dataobj)) and np.array_equal(a.affine, b.affine)
     summary = json.loads((two / "summary.json").read_text())
     assert summary["inference"]["shards"] == ["cpu x 2"] and len(summary["errors"]) == 1
+    assert not (two / "shards").exists(), "the shards' results are merged into summary.json"
 
 
 def test_the_largest_component_rule_is_chosen_only_where_it_helps():

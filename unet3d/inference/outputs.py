@@ -99,3 +99,34 @@ def write_metrics(rows: list[dict[str, Any]], path: Path) -> None:
 
 def write_json(value: Any, path: Path) -> None:
     atomic_write_text(path, json.dumps(plain(value), indent=2) + "\n")
+
+
+SETTINGS_FILE = ".segmentation.json"  # in an --images output folder: what made the segmentations there
+
+
+def claim_folder(folder: Path, settings: dict[str, Any], overwrite: bool) -> None:
+    """Record in `folder` the settings that segment into it; refuse other settings than those that made the
+    segmentations already there, which a run that skips the cases written would leave unchanged and
+    describe as its own. `overwrite`: the new settings replace the old ones (every case is segmented again).
+
+    Raises:
+        ValueError: naming the folder and each setting that differs, unless `overwrite`.
+    """
+    path = folder / SETTINGS_FILE
+    if path.is_file() and not overwrite:
+        try:
+            before = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            before = {}
+        if before != plain(settings):
+            differ = [
+                f"{k} (then {before.get(k)!r}, now {plain(settings).get(k)!r})"
+                for k in sorted(set(before) | set(settings))
+                if before.get(k) != plain(settings).get(k)
+            ]
+            raise ValueError(
+                f"{folder} holds segmentations made with other settings ({'; '.join(differ)}); give another "
+                "--out-dir, or --overwrite to segment every case again"
+            )
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(settings, path)
