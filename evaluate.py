@@ -177,6 +177,11 @@ def select(args: argparse.Namespace, members) -> tuple[list[InputCase], dict[str
                 raise ValueError(f"{case.name} is held out by {owner[case.name].source} and {member.source}")
             owner[case.name] = member
             chosen.append(InputCase(case.name, (case.image,), case.label))
+    if not chosen:  # a run of --fold all (or --val-fraction 0) holds out nothing to score
+        raise ValueError(
+            f"{members[0].source} holds out no {args.split} case (trained with --fold all?): score it with "
+            "--split test or --images"
+        )
     if args.split != "cv":
         owner = {}
     return sorted(chosen, key=lambda c: c.name), owner, spec

@@ -85,6 +85,10 @@ def test_fold_all_trains_on_every_case_without_validation(folds):
     state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert len(state["split"]["train"]) == 8 and state["split"]["val"] == []
     assert not (out / "checkpoints" / "best.pt").exists() and "val Dice" not in result.stdout
+    last = str(out / "checkpoints" / "last.pt")
+    refused = run([sys.executable, "evaluate.py", "--checkpoint", last, "--split", "val", "--device", "cpu"])
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"{last} holds out no val case (trained with --fold all?)" in refused.stderr
 
 
 def run_ok(args: list[str]) -> None:
