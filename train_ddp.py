@@ -46,6 +46,7 @@ from unet3d.training.loading import make_loader, open_cases, prepare_data
 from unet3d.training.logs import get_logger, setup_logging
 from unet3d.training.preflight import preflight
 from unet3d.training.report import Reporter, closing_words
+from unet3d.training.runlock import lock_run_folder
 from unet3d.training.runtime import describe_run, make_runtime, wrap_for_training
 from unet3d.training.state import build_state
 from unet3d.training.timing import profiler
@@ -81,6 +82,9 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     # A checkpoint to continue from (rank 0 picks it), read by every rank into host memory: loading copies
     # the weights and the optimizer's moments onto this rank's device, and the optimizer's step counters
     # stay on the host (on a GPU, foreach AdamW would read them back with a sync per tensor each step).
+    unguarded = dist.run_on_main(lambda: lock_run_folder(cfg.out_dir))  # one job per --out-dir
+    if unguarded:
+        get_logger().warning(unguarded)
     source = dist.run_on_main(lambda: resume_source(cfg))
     checkpoint = load_checkpoint(source, "cpu") if source is not None else None
 

@@ -183,6 +183,29 @@ def test_a_signal_to_the_launcher_stops_the_ranks_gracefully_and_exits_0(shared,
     assert not list(scratch.glob("unet3d-stop.*")), "launch.sh removes its file"
 
 
+def test_a_second_job_into_the_same_out_dir_is_refused_while_the_first_trains(shared, tmp_path):
+    """Started twice by mistake: the second job's pre-flight is refused (no rank starts), as is a single process
+    without the launcher, and the first job trains on undisturbed."""
+    out = tmp_path / "run"
+    first = start(*options(shared, out, 50))  # stopped below, once the others have been refused
+    wait_for(out / "logs" / "rank0.log", r"epoch 1/50:")
+    holder = f"pid {rank_pid(out, 0)} on "
+    second = launch(*options(shared, out, 50), timeout=120)
+    assert second.returncode == 2, second.stdout + second.stderr[-3000:]
+    assert f"error: --out-dir {out} is in use by another job ({holder}" in second.stdout, second.stdout
+    alone = run(["python", "train_ddp.py", *options(shared, out, 50)], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert alone.returncode == 2 and f"is in use by another job ({holder}" in alone.stdout, alone.stdout
+    assert first.poll() is None, "the first job still trains"
+    os.kill(first.pid, signal.SIGTERM)
+    rc, stdout, stderr = finish(first, timeout=60)
+    assert rc == 0 and "stopped by a stop signal" in stdout, stderr[-3000:]
+    assert "resumed from" not in stdout and checkpoint(out)["epoch"] >= 1
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    assert (out / "logs" / "rank0.log").read_text().count("=== rank 0 pid") == 2, (
+        "the first job's and the refused one's"
+    )
+
+
 # --- non-finite steps -----------------------------------------------------------------------------------
 
 

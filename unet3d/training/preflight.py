@@ -17,6 +17,7 @@ from unet3d.training.config import TrainConfig, plan_request
 from unet3d.training.dist import DistInfo, check_gpus_visible
 from unet3d.training.loading import choose_plan
 from unet3d.training.logs import setup_logging
+from unet3d.training.runlock import lock_run_folder
 from unet3d.training.runtime import resolve_config
 
 
@@ -47,9 +48,11 @@ def preflight(cfg: TrainConfig) -> int:
         if found is not None:
             args = run.plan.model_args(run.spec.in_channels, run.spec.num_classes)
             check_compatible(checkpoint, dataclasses.asdict(resolved), args, world, found[0])
-        writable_folder(
-            os.path.join(cfg.out_dir, "logs"), f"--out-dir {cfg.out_dir}"
-        )  # last: a refused job leaves no folder
+        # last, so that a job refused for its data leaves no folder behind
+        writable_folder(os.path.join(cfg.out_dir, "logs"), f"--out-dir {cfg.out_dir}")
+        unguarded = lock_run_folder(cfg.out_dir, wait_s=1.0, keep=False)  # no other job trains into it
+        if unguarded:
+            log.warning(unguarded)
     except (ValueError, OSError, CheckpointError) as e:  # OSError: a folder it cannot write, a full disk
         log.error(f"error: {e}")
         return 2
