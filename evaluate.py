@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -114,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
+        check_options(args)
         gpus = [int(g) for g in args.gpu.split(",")] if args.gpu else []
         if len(set(gpus)) != len(gpus) or min(gpus, default=0) < 0:
             raise ValueError(f"--gpu {args.gpu}: give distinct physical GPU ids, e.g. 5 or 5,6,7")
@@ -127,6 +129,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse option values that every case would fail on (or that would be ignored), before any case."""
+    if args.gpu and not re.fullmatch(r"[0-9]+(,[0-9]+)*", args.gpu):
+        raise ValueError(f"--gpu {args.gpu}: give physical GPU ids as nvidia-smi numbers them, e.g. 5 or 5,6,7")
+    if args.window is not None and (len(args.window) not in (1, 3) or min(args.window) < 1):
+        raise ValueError(f"--window takes one positive size or three, got {' '.join(map(str, args.window))}")
+    if not 0 <= args.overlap < 1:  # (NaN fails too)
+        raise ValueError(f"--overlap must be in [0, 1), got {args.overlap}")
+    if args.sw_batch_size is not None and args.sw_batch_size < 1:
+        raise ValueError(f"--sw-batch-size must be >= 1, got {args.sw_batch_size}")
+    if args.overview_cases < 0:
+        raise ValueError(f"--overview-cases must be >= 0, got {args.overview_cases}")
 
 
 def segmentation_settings(args: argparse.Namespace) -> dict[str, Any]:

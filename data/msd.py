@@ -136,7 +136,10 @@ def split_cases(cases: Sequence[Case], val_fraction: float, seed: int) -> tuple[
     ordered = sorted(cases, key=lambda c: c.name)
     n_val = max(1, round(val_fraction * len(ordered))) if val_fraction > 0 else 0
     if n_val >= len(ordered):
-        raise ValueError(f"val_fraction={val_fraction} leaves no training case out of {len(ordered)}; lower it")
+        raise ValueError(
+            f"--val-fraction {val_fraction} holds out {n_val} of {len(ordered)} cases, leaving none to train on; "
+            "lower it"
+        )
     order = np.random.default_rng(seed).permutation(len(ordered))
     val_idx = set(order[:n_val].tolist())
     train = [c for i, c in enumerate(ordered) if i not in val_idx]

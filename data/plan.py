@@ -37,6 +37,7 @@ from unet3d.model import plan_topology
 
 PLAN_VERSION = 1
 FOREGROUND_SAMPLES = 10_000  # CT foreground intensities sampled per case for the dataset statistics
+MAX_PLANNED_VOXELS = 2**31  # a case larger than this in the planned space (8 GiB per float32 channel) is refused
 OBLIQUE_DEGREES = 30.0  # a training case this far off the scanner's axes is named in the pre-flight
 ORIENTATIONS = ("RAS", "none")
 CROPS = ("nonzero", "none")
@@ -329,6 +330,13 @@ def make_plan(fingerprints: Sequence[Fingerprint], modalities: Sequence[str], re
     else:
         spacing, rule = tuple(float(s) for s in request.spacing), "given (--spacing)"
     planned_shapes = [resampled_shape(s, sp, spacing) if spacing else s for s, sp in zip(shapes, spacings)]
+    largest = int(np.argmax([math.prod(s) for s in planned_shapes]))
+    if math.prod(planned_shapes[largest]) > MAX_PLANNED_VOXELS:
+        raise ValueError(
+            f"at the target spacing {' x '.join(f'{v:g}' for v in spacing or ())} mm ({rule}), case "
+            f"{fingerprints[largest].name} would be {'x'.join(map(str, planned_shapes[largest]))} voxels, more than "
+            f"{MAX_PLANNED_VOXELS:.1e} (4 bytes each per channel): give a coarser --spacing"
+        )
     median_shape = tuple(int(v) for v in np.median(np.asarray(planned_shapes), axis=0))
     median_spacing = spacing or tuple(float(v) for v in np.median(np.asarray(spacings), axis=0))
     patch, features, kernels, strides = plan_network(median_shape, median_spacing, request)

@@ -42,8 +42,18 @@ def test_parse_types_and_patch_forms():
         (["--patch-size", "32", "16"], "--patch-size takes one positive int or three"),
         (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--val-fraction", "1.0"], "--val-fraction must be in [0, 1), got 1.0"),
-        (["--features", "8"], "--features needs at least two positive ints"),
-        (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+        (["--features", "8"], "--features needs at least two ints in 1..4096"),
+        (["--features", "100000", "8"], "--features needs at least two ints in 1..4096, got (100000, 8)"),
+        (["--lr", "-1"], "--lr must be in (0, 1000], got -1.0"),
+        (["--lr", "1e300"], "--lr must be in (0, 1000], got 1e+300"),  # overflowed the float32 update
+        (["--weight-decay", "nan"], "--weight-decay must be in [0, 1000], got nan"),
+        (["--time-limit", "inf"], "--time-limit 'inf': give seconds or HH:MM:SS"),  # stopped after one step
+        (["--time-limit", "1:2:3:4"], "--time-limit '1:2:3:4': give seconds or HH:MM:SS"),
+        (["--dist-timeout", "inf"], "--dist-timeout must be 1 to 604800 seconds, got inf"),  # timedelta overflowed
+        (["--setup-timeout", "0.001"], "--setup-timeout must be 1 to 604800 seconds, got 0.001"),
+        (["--seed", "-1"], "--seed must be in 0..4294967295, got -1"),
+        (["--fold", "\u00b2"], "--fold must be all or a fold number, got '\u00b2'"),  # a digit to isdigit()
+        (["--synthetic-cases", "1"], "--synthetic-cases must be >= 2 and --synthetic-size >= 8, got 1 and 64"),
     ],
 )
 def test_bad_values_exit_2_naming_the_value(argv, message, capsys):
@@ -64,6 +74,19 @@ def planned(cfg: TrainConfig, device: str, shape, spacing=(1.0, 1.0, 1.0)):
     """The plan for a dataset of identical cases of this shape and spacing."""
     cases = [Fingerprint(name=f"c{i}", spacing=spacing, shape=shape) for i in range(3)]
     return make_plan(cases, ["MRI"], plan_request(cfg, device))
+
+
+def test_a_target_spacing_that_would_blow_a_case_up_beyond_memory_is_refused():
+    """A CT of 512 x 512 x 300 at 0.7 x 0.7 x 2.5 mm asked for 0.1 mm voxels would need 3.6e11 of them: the plan
+    names the case and the option, where preprocessing would run out of memory with a traceback."""
+    big = TrainConfig(spacing=(0.1, 0.1, 0.1))
+    with pytest.raises(
+        ValueError, match=r"0.1 x 0.1 x 0.1 mm \(given \(--spacing\)\), case c0 would be 3584x3584x7500 "
+    ):
+        planned(big, "cuda", (512, 512, 300), (0.7, 0.7, 2.5))
+    assert planned(TrainConfig(spacing=(0.7, 0.7, 0.7)), "cuda", (512, 512, 300), (0.7, 0.7, 2.5)).median_shape == (
+        512, 512, 1071,
+    )  # fmt: skip
 
 
 def test_resolve_fills_device_defaults():

@@ -133,7 +133,7 @@ def test_split_is_deterministic_and_disjoint(tiny_dataset):
     assert split_cases(list(reversed(cases)), 0.34, seed=3) == (train, val)
     other_seeds = {frozenset(c.name for c in split_cases(cases, 0.34, seed=s)[1]) for s in range(4, 10)}
     assert len(other_seeds) > 1, "the seed must change the split"
-    with pytest.raises(ValueError, match="leaves no training case"):
+    with pytest.raises(ValueError, match="leaving none to train on"):
         split_cases(cases[:1], 0.5, 0)
 
 

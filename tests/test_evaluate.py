@@ -220,6 +220,29 @@ def test_a_dataset_of_other_classes_than_the_models_is_refused(weights, tiny_dat
     assert "['background', 'liver', 'tumour']" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--window", "0"], "--window takes one positive size or three, got 0"),
+        (["--window", "32", "32"], "--window takes one positive size or three, got 32 32"),
+        (["--overlap", "1.0"], "--overlap must be in [0, 1), got 1.0"),
+        (["--overlap", "nan"], "--overlap must be in [0, 1), got nan"),
+        (["--sw-batch-size", "0"], "--sw-batch-size must be >= 1, got 0"),  # was silently the training batch
+        (["--gpu", "abc"], "--gpu abc: give physical GPU ids as nvidia-smi numbers them"),
+    ],
+)
+def test_option_values_every_case_would_fail_on_are_refused_before_any_case(
+    weights, tiny_dataset, tmp_path, capsys, option, message
+):
+    torch.save(weights, tmp_path / "w.pt")
+    seg = tmp_path / "seg"
+    argv = ["--checkpoint", str(tmp_path / "w.pt"), "--images", str(tiny_dataset / "imagesTs"), "--out-dir", str(seg)]
+    device = [] if option[0] == "--gpu" else ["--device", "cpu"]
+    assert evaluate.main([*argv, *device, *option]) == 2
+    assert f"evaluate.py: error: {message}" in capsys.readouterr().err
+    assert not seg.exists(), "nothing is written, so the corrected command is not refused for these settings"
+
+
 def test_cases_sharded_over_workers_are_scored_as_by_one_with_undefined_hd95(weights, tiny_dataset, tmp_path):
     """A model that predicts only background leaves every foreground HD95 undefined (NaN): the shards hand their
     rows over as JSON, where NaN is null, and the merged summary and metrics.csv must equal one process's."""

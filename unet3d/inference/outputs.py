@@ -113,7 +113,7 @@ def claim_folder(folder: Path, settings: dict[str, Any], overwrite: bool) -> Non
         ValueError: naming the folder and each setting that differs, unless `overwrite`.
     """
     path = folder / SETTINGS_FILE
-    if path.is_file() and not overwrite:
+    if path.is_file() and not overwrite and any(folder.glob("*.nii.gz")):  # (settings that wrote nothing: free)
         try:
             before = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):

@@ -92,7 +92,7 @@ class Predictor:
         if any(w % d for w, d in zip(window, member.model.size_divisor)):
             raise ValueError(f"--window {window}: each size must be divisible by {member.model.size_divisor}")
         cfg = member.config or {}
-        batch = o.sw_batch_size or cfg.get("batch_size", 2)
+        batch = o.sw_batch_size if o.sw_batch_size is not None else cfg.get("batch_size", 2)
         return InferenceSettings(
             window=window, overlap=o.overlap, sw_batch_size=batch, amp_dtype=o.amp_dtype, tta=o.tta
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,10 @@ from data.plan import ACQUISITION_CHANNELS, CROPS, ORIENTATIONS, Plan, PlanReque
 from data.prepare import DataConfig
 from data.synthetic import GEOMETRIES
 from unet3d import precision
+
+MAX_FEATURES = 4096  # channels of one level: far beyond any GPU's memory for a 3D U-Net
+MAX_LR = 1000.0  # above this a learning rate (or weight decay) is a typo, and overflows float32 updates
+MAX_TIMEOUT_S = 7 * 86400.0  # --dist-timeout and --setup-timeout: a week (datetime.timedelta must hold it)
 
 CHOICES = {
     "optimizer": ("sgd", "adamw"),
@@ -65,15 +70,21 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def parse_duration(text: str | float) -> float:
-    """'5400', '90.5' or '01:30:00' (HH:MM:SS, or MM:SS) -> seconds."""
+    """'5400', '90.5' or '01:30:00' (HH:MM:SS, or MM:SS) -> seconds.
+
+    Raises:
+        argparse.ArgumentTypeError (a ValueError, whose message argparse prints as it is): anything else,
+            negative or non-finite parts included.
+    """
     if isinstance(text, (int, float)):
         return float(text)
+    problem = argparse.ArgumentTypeError(f"--time-limit {text!r}: give seconds or HH:MM:SS")
     try:
         parts = [float(p) for p in str(text).split(":")]
     except ValueError as e:
-        raise ValueError(f"--time-limit {text!r}: give seconds or HH:MM:SS") from e
-    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts):
-        raise ValueError(f"--time-limit {text!r}: give seconds or HH:MM:SS")
+        raise problem from e
+    if not 1 <= len(parts) <= 3 or not all(math.isfinite(p) and p >= 0 for p in parts):
+        raise problem
     seconds = 0.0
     for p in parts:
         seconds = seconds * 60 + p
@@ -214,8 +225,8 @@ class TrainConfig:
             self.patch_size = _triple(self.patch_size, "patch_size")
         if self.features is not None:
             self.features = tuple(int(f) for f in self.features)
-            if len(self.features) < 2 or min(self.features) < 1:
-                raise ValueError(f"--features needs at least two positive ints, got {self.features}")
+            if len(self.features) < 2 or min(self.features) < 1 or max(self.features) > MAX_FEATURES:
+                raise ValueError(f"--features needs at least two ints in 1..{MAX_FEATURES}, got {self.features}")
         positive = [
             "batch_size",
             "val_every",
@@ -229,19 +240,26 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if self.lr is not None and not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.lr is not None and not 0 < self.lr <= MAX_LR:
+            raise ValueError(f"--lr must be in (0, {MAX_LR:g}], got {self.lr}")
         if self.momentum is not None and not 0 <= self.momentum < 1:
             raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if self.weight_decay < 0:
-            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.weight_decay <= MAX_LR:  # (NaN fails both)
+            raise ValueError(f"--weight-decay must be in [0, {MAX_LR:g}], got {self.weight_decay}")
+        if self.synthetic_cases < 2 or self.synthetic_size < 8:  # the generator's smallest dataset
+            raise ValueError(
+                f"--synthetic-cases must be >= 2 and --synthetic-size >= 8, got {self.synthetic_cases} and "
+                f"{self.synthetic_size}"
+            )
+        if not 0 <= self.seed < 2**32:  # numpy's and the sampler's generators take 32-bit seeds
+            raise ValueError(f"--seed must be in 0..{2**32 - 1}, got {self.seed}")
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if not 0 <= self.fg_fraction <= 1:
             raise ValueError(f"--fg-fraction must be in [0, 1], got {self.fg_fraction}")
         if not 0 <= self.val_overlap < 1:
             raise ValueError(f"--val-overlap must be in [0, 1), got {self.val_overlap}")
-        if self.fold is not None and self.fold != "all" and not str(self.fold).isdigit():
+        if self.fold is not None and self.fold != "all" and not re.fullmatch("[0-9]+", str(self.fold)):
             raise ValueError(f"--fold must be all or a fold number, got {self.fold!r}")
         if self.folds < 2:
             raise ValueError(f"--folds must be >= 2, got {self.folds}")
@@ -249,11 +267,13 @@ class TrainConfig:
             raise ValueError(f"--profile must be >= 0 steps, got {self.profile}")
         if self.num_workers is not None and self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
-        if self.time_limit is not None and not self.time_limit > 0:
+        if self.time_limit is not None and not 0 < self.time_limit < math.inf:
             raise ValueError(f"--time-limit must be > 0 seconds, got {self.time_limit}")
         for name in ("dist_timeout", "setup_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
+            if not 1 <= getattr(self, name) <= MAX_TIMEOUT_S:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be 1 to {MAX_TIMEOUT_S:.0f} seconds, got {getattr(self, name)}"
+                )
 
     def data(self) -> DataConfig:
         """The fields that choose the run's data: its dataset, synthetic or not, its split and its cache."""
