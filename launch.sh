@@ -30,6 +30,8 @@ Environment:
   RDZV_TIMEOUT      seconds a node waits for the others to reach the rendezvous (default 600): each
                     node's pre-flight (a first run's preprocessing) comes before it
   OMP_NUM_THREADS   threads per process (default: CPUs / processes)
+  TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+                    seconds a signalled torchrun waits for the ranks to save and stop (default 300)
   NVIDIA_SMI_TIMEOUT  seconds to wait for `nvidia-smi -L` (default 60; a hung driver stops the launch)
   PYTHON, TORCHRUN  the interpreter and the torchrun command (default: python3; with PYTHON given,
                     $PYTHON -m torch.distributed.run, else torchrun, else python3 -m torch.distributed.run)
@@ -157,6 +159,9 @@ WORLD_SIZE=$((nproc_per_node * NNODES)) LOCAL_WORLD_SIZE=$nproc_per_node PYTORCH
 # A fresh store for every torchrun restart: with the agent's shared store, a restarted gloo group can read
 # the killed round's peer addresses and fail to connect ("Connection refused") or hang.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# A signalled torchrun gives its ranks this long to finish their step (or a validation under way) and save
+# before it kills them (torchrun's default is 30 s); a second signal still ends them at once (see below).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 if ((NNODES == 1)) && [[ -z ${MASTER_ADDR:-} ]]; then
   rendezvous=(--standalone)
 else
