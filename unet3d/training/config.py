@@ -69,16 +69,20 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+class DurationError(argparse.ArgumentTypeError, ValueError):
+    """A --time-limit that is not one: a ValueError at the boundary, and its message printed as it is by
+    argparse (which words any other ValueError of a type function as "invalid parse_duration value")."""
+
+
 def parse_duration(text: str | float) -> float:
     """'5400', '90.5' or '01:30:00' (HH:MM:SS, or MM:SS) -> seconds.
 
     Raises:
-        argparse.ArgumentTypeError (a ValueError, whose message argparse prints as it is): anything else,
-            negative or non-finite parts included.
+        DurationError: anything else, negative or non-finite parts included.
     """
     if isinstance(text, (int, float)):
         return float(text)
-    problem = argparse.ArgumentTypeError(f"--time-limit {text!r}: give seconds or HH:MM:SS")
+    problem = DurationError(f"--time-limit {text!r}: give seconds or HH:MM:SS")
     try:
         parts = [float(p) for p in str(text).split(":")]
     except ValueError as e:
