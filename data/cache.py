@@ -3,18 +3,22 @@ into uncompressed .npy files.
 
 Training opens them as read-only memory maps, so every rank and DataLoader worker on a machine shares one
 copy through the page cache instead of decompressing NIfTI or holding its own arrays. A case is redone when
-its source files change (size or mtime), when the plan's preprocessing changes (each plan has its own
-folder, named by its digest), or when the cache format changes.
+its source files change (size, mtime, inode or ctime: a copy over a file that kept its size and mtime is
+still seen), when the plan's preprocessing changes (each plan has its own folder, named by its digest), or
+when the cache format changes.
 
-Under CACHE_ROOT: fingerprints/<orientation>-<crop>/NAME.json (what planning needs of the case), and per plan
-<digest>/NAME_image.npy (C, X, Y, Z) float32, NAME_label.npy (X, Y, Z) uint8, NAME_fg.npy (N, 4) int32 rows of
-(class, x, y, z), NAME_native.npy (the label on the file's own grid, for validation), NAME_share.npy (2, X, Y,
-Z) uint8 (each voxel's runner-up class and its share: the soft targets, `data.patches`) and NAME.json, written
-last, which marks the case complete and holds its geometry.
+Files are named KEY = NAME-<hash of the image's and label's paths>, so that datasets sharing a --cache-dir (a
+corrected copy of the labels, say) never read or overwrite each other's cases. Under CACHE_ROOT:
+fingerprints/<orientation>-<crop>/KEY.json (what planning needs of the case), and per plan <digest>/
+KEY_image.npy (C, X, Y, Z) float32, KEY_label.npy (X, Y, Z) uint8, KEY_fg.npy (N, 4) int32 rows of (class, x,
+y, z), KEY_native.npy (the label on the file's own grid, for validation), KEY_share.npy (2, X, Y, Z) uint8
+(each voxel's runner-up class and its share: the soft targets, `data.patches`) and KEY.json, written last,
+which marks the case complete and holds its geometry.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,11 +40,23 @@ FINGERPRINT_VERSION = 2  # 2: the obliquity (a change here re-reads the images, 
 
 
 def _sources(case: Case) -> list:
-    return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in (case.image, case.label)]
+    """What tells a changed source file: a rewrite changes the mtime, a copy over it (`cp -p`, `rsync -a`,
+    an archive unpacked, all of which may keep the size and the mtime) the inode or the ctime."""
+    found = []
+    for path in (case.image, case.label):
+        st = path.stat()
+        found.append([str(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
+    return found
+
+
+def _key(case: Case) -> str:
+    """The case's file name in the cache: its name and a hash of where its files are."""
+    where = f"{case.image.resolve()}\n{case.label.resolve()}".encode()
+    return f"{case.name}-{hashlib.sha1(where).hexdigest()[:10]}"
 
 
 def _fingerprint_file(root: Path, case: Case, request: PlanRequest) -> Path:
-    return root / "fingerprints" / f"{request.orientation}-{request.crop}" / f"{case.name}.json"
+    return root / "fingerprints" / f"{request.orientation}-{request.crop}" / f"{_key(case)}.json"
 
 
 def _read_json(path: Path) -> dict | None:
@@ -90,7 +106,8 @@ def load_fingerprints(cases: Sequence[Case], request: PlanRequest, root: Path) -
     return [Fingerprint.from_dict(json.loads(_fingerprint_file(root, c, request).read_text())) for c in cases]
 
 
-def _paths(folder: Path, name: str) -> dict[str, Path]:
+def _paths(folder: Path, case: Case) -> dict[str, Path]:
+    name = _key(case)
     return {
         "image": folder / f"{name}_image.npy",
         "label": folder / f"{name}_label.npy",
@@ -112,7 +129,7 @@ def _stamp(case: Case, plan: Plan, num_classes: int) -> dict:
 
 def is_fresh(case: Case, plan: Plan, num_classes: int, folder: str | Path) -> bool:
     """Whether the cached files of `case` exist and were made with this plan from its current source files."""
-    paths = _paths(Path(folder), case.name)
+    paths = _paths(Path(folder), case)
     meta = _read_json(paths["meta"])
     try:
         stamp = _stamp(case, plan, num_classes)
@@ -128,18 +145,19 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 def write_case(case: Case, plan: Plan, num_classes: int, folder: str | Path) -> None:
     """Bring one (checked) case into the plan's space; write its cache files, the meta file last."""
     folder = Path(folder)
+    stamp = _stamp(case, plan, num_classes)  # before reading: a file changed meanwhile leaves a stale stamp
     image, image_nii = load_image(case.image)
     native, _ = load_label(case.label)
     planned = preprocess(image, image_nii.affine, plan, native, num_classes)
     fg = foreground_coords(planned.label)
     rows = [np.column_stack([np.full(len(c), k, np.int32), c]) for k, c in sorted(fg.items())]
-    paths = _paths(folder, case.name)
+    paths = _paths(folder, case)
     _save_npy(paths["image"], planned.image)
     _save_npy(paths["label"], planned.label)
     _save_npy(paths["fg"], np.concatenate(rows) if rows else np.zeros((0, 4), np.int32))
     _save_npy(paths["native"], native)
     _save_npy(paths["share"], planned.label_share)
-    meta = {"stamp": _stamp(case, plan, num_classes), "geometry": planned.geometry.to_dict()}
+    meta = {"stamp": stamp, "geometry": planned.geometry.to_dict()}
     atomic_write_text(paths["meta"], json.dumps(meta))
 
 
@@ -160,7 +178,7 @@ def build_cache(
 
 def open_case(case: Case, folder: str | Path) -> PreparedCase:
     """The cached case as read-only memory maps (FileNotFoundError if it was never built)."""
-    paths = _paths(Path(folder), case.name)
+    paths = _paths(Path(folder), case)
     meta = _read_json(paths["meta"])
     if meta is None:
         raise FileNotFoundError(f"case {case.name} is not in the cache {folder}; build_cache first")

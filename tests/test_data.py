@@ -426,6 +426,35 @@ def test_cache_round_trip_and_staleness(tiny_dataset, tmp_path):
         os.utime(case.image, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def test_datasets_sharing_a_cache_keep_their_own_cases_and_a_copy_that_kept_size_and_mtime_is_seen(
+    tiny_dataset, tmp_path
+):
+    """A corrected copy of the labels (same case names, same images) beside the original, both cached in one
+    --cache-dir: each dataset opens its own labels, before and after the other one was built. Then a label
+    overwritten by a copy that kept its size and mtime (`cp -p`, `rsync -a`) is rebuilt."""
+    corrected = tmp_path / "corrected"
+    shutil.copytree(tiny_dataset, corrected)
+    case = load_dataset_json(corrected).training[2]
+    label, nii = load_label(case.label)
+    nib.save(nib.Nifti1Image(np.where(label == 2, 1, label).astype(np.uint8), nii.affine), case.label)
+    cache, plan = tmp_path / "cache", as_stored()
+    original, copy = load_dataset_json(tiny_dataset), load_dataset_json(corrected)
+    for spec in (original, copy, original):  # each build after the other's
+        assert build_cache(spec.training, plan, 3, cache) == []
+    for spec in (original, copy):
+        ours = spec.training[2]
+        np.testing.assert_array_equal(open_case(ours, cache).label, load_label(ours.label)[0], err_msg=str(ours.label))
+    assert 2 not in np.unique(open_case(copy.training[2], cache).label)
+
+    before, data = case.label.stat(), bytearray(case.label.read_bytes())
+    data[4:8] = (int.from_bytes(data[4:8], "little") ^ 0xFFFF).to_bytes(4, "little")  # gzip's own time stamp
+    case.label.write_bytes(bytes(data))  # other bytes, the same size
+    os.utime(case.label, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = case.label.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert not is_fresh(case, plan, 3, cache), "the copy kept the size and the mtime, not the ctime"
+
+
 def test_checks_report_every_broken_case(tmp_path):
     good = (np.zeros((4, 4, 4), np.float32), np.zeros((4, 4, 4), np.uint8))
     bad_shape = (np.zeros((4, 4, 4), np.float32), np.zeros((4, 4, 5), np.uint8))
