@@ -30,8 +30,6 @@ Environment:
   RDZV_TIMEOUT      seconds a node waits for the others to reach the rendezvous (default 600): each
                     node's pre-flight (a first run's preprocessing) comes before it
   OMP_NUM_THREADS   threads per process (default: CPUs / processes)
-  TORCH_ELASTIC_SHUTDOWN_TIMEOUT
-                    seconds a signalled torchrun waits for the ranks to save and stop (default 300)
   NVIDIA_SMI_TIMEOUT  seconds to wait for `nvidia-smi -L` (default 60; a hung driver stops the launch)
   PYTHON, TORCHRUN  the interpreter and the torchrun command (default: python3; with PYTHON given,
                     $PYTHON -m torch.distributed.run, else torchrun, else python3 -m torch.distributed.run)
@@ -159,9 +157,6 @@ WORLD_SIZE=$((nproc_per_node * NNODES)) LOCAL_WORLD_SIZE=$nproc_per_node PYTORCH
 # A fresh store for every torchrun restart: with the agent's shared store, a restarted gloo group can read
 # the killed round's peer addresses and fail to connect ("Connection refused") or hang.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-# A signalled torchrun gives its ranks this long to finish their step (or a validation under way) and save
-# before it kills them (torchrun's default is 30 s); a second signal still ends them at once (see below).
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 if ((NNODES == 1)) && [[ -z ${MASTER_ADDR:-} ]]; then
   rendezvous=(--standalone)
 else
@@ -173,12 +168,13 @@ else
   # and the job waited for a store that nobody started.
 fi
 
-# Stopping. A signal to this script alone (SIGTERM, SIGINT or SIGHUP: `kill` of its pid, a scheduler that
-# signals the batch shell) is passed to the ranks: the first makes them finish the step, save and exit 0,
-# and torchrun with them; a second one 2 s or more later ends them at once. Ctrl-C in the terminal and a
-# scheduler that signals every process reach torchrun too, which passes the signal on and then exits 1
-# with a SignalException once its ranks have ended; every rank that stopped and saved has written a line
-# to UNET3D_STOP_FILE by then, and when all of this node's did, the stop was graceful: exit code 0.
+# Stopping. The first SIGTERM, SIGINT or SIGHUP to reach this script (`kill PID`, a scheduler signalling the
+# batch shell, Ctrl-C) goes to torchrun as SIGTERM, after which it never restarts the ranks: it passes the
+# signal on, the ranks finish their step, save and exit 0, and torchrun exits 1 with a SignalException. The
+# ranks get the signal from here as well, in case torchrun, signalled twice (Ctrl-C reaches it directly
+# too), stops passing it on. Every rank that stopped and saved appends "<torchrun restart> <rank>" to
+# UNET3D_STOP_FILE; once the ranks have ended, if all of this node's did so in torchrun's last attempt, the
+# stop was graceful: exit code 0. A second signal goes to the ranks alone, and ends them at once.
 children() {  # the processes whose parent is $1: torchrun's ranks
   local stat fields ppid
   for stat in /proc/[0-9]*/stat; do
@@ -191,32 +187,50 @@ children() {  # the processes whose parent is $1: torchrun's ranks
     fi
   done
 }
-forward() {  # $1: the signal to pass on
-  local ranks
-  ranks=$(children "$torchrun_pid")
-  if [[ -n $ranks ]]; then
-    echo "launch.sh: SIG$1: passed to the ranks, which stop after their step (a second signal ends them)" >&2
-    # shellcheck disable=SC2086  # one pid per word
-    kill -s "$1" $ranks 2>/dev/null || true
-  else  # no rank started yet: torchrun ends (it started with SIGINT ignored, as background commands do)
-    echo "launch.sh: SIG$1 before the ranks started: ending torchrun" >&2
+signals=0 trapped=0 pending='' torchrun_pid='' ranks=''
+forward() {  # $1: the signal received
+  trapped=1
+  if [[ -z $torchrun_pid ]]; then  # torchrun is being started: handled once it has a pid
+    pending=$1
+    return
+  fi
+  signals=$((signals + 1))
+  local now
+  now=$(children "$torchrun_pid")
+  [[ -z $now ]] || ranks=$now
+  if ((signals == 1)); then
+    echo "launch.sh: SIG$1: stopping (the ranks finish their step and save; a second signal ends them)" >&2
     kill -s TERM "$torchrun_pid" 2>/dev/null || true
+  fi
+  if [[ -n $now ]]; then
+    # shellcheck disable=SC2086  # one pid per word
+    kill -s "$1" $now 2>/dev/null || true
   fi
 }
 UNET3D_STOP_FILE=$(mktemp "${TMPDIR:-/tmp}/unet3d-stop.XXXXXX")
 export UNET3D_STOP_FILE
 trap 'rm -f "$UNET3D_STOP_FILE"' EXIT
+trap 'forward INT' INT
+trap 'forward TERM' TERM HUP
 "${torchrun[@]}" "${rendezvous[@]}" --nproc-per-node "$nproc_per_node" --max-restarts "$MAX_RESTARTS" \
   "$here/train_ddp.py" "$@" &
 torchrun_pid=$!
-trap 'forward INT' INT
-trap 'forward TERM' TERM HUP
+[[ -z $pending ]] || forward "$pending"
+rc=0 waited=0
 while :; do
-  rc=0
-  wait "$torchrun_pid" || rc=$?
-  kill -0 "$torchrun_pid" 2>/dev/null || break  # else a signal's trap interrupted the wait
+  trapped=0 status=0
+  wait "$torchrun_pid" || status=$?
+  ((status == 127 && waited)) && break  # collected already, before a trap made the loop go round again
+  rc=$status waited=1
+  ((trapped && rc > 128)) || break  # else a signal's trap interrupted the wait (128 + the signal)
 done
-if ((rc != 0)) && (($(grep -c . "$UNET3D_STOP_FILE" || true) == nproc_per_node)); then
+deadline=$((SECONDS + 120))
+for pid in $ranks; do  # ranks that a twice-signalled torchrun left behind finish their save first
+  while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
+done
+stopped=$(awk 'NF == 2 { if ($1 > last) { last = $1; n = 0; split("", seen) }
+  if ($1 == last && !($2 in seen)) { seen[$2] = 1; n++ } } END { print n + 0 }' "$UNET3D_STOP_FILE")
+if ((rc != 0 && stopped == nproc_per_node)); then
   echo "launch.sh: torchrun ended on the signal after all $nproc_per_node rank(s) had stopped and saved" >&2
   rc=0
 fi

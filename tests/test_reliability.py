@@ -157,10 +157,10 @@ def test_sigterm_stops_all_ranks_and_resuming_equals_an_uninterrupted_run(shared
 
 @pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM to launch.sh"])
 def test_a_signal_to_the_launcher_stops_the_ranks_gracefully_and_exits_0(shared, tmp_path, how):
-    """Ctrl-C in the terminal reaches launch.sh and torchrun (one process group): torchrun passes it on and
-    exits 1 with its SignalException, and launch.sh, told by every rank that it stopped and saved, exits 0.
-    A SIGTERM to launch.sh alone (`kill PID`, a scheduler signalling the batch shell) is passed to the
-    ranks, and torchrun ends as they do, with 0."""
+    """Ctrl-C in the terminal reaches launch.sh and torchrun (one process group); a SIGTERM to launch.sh alone
+    (`kill PID`, a scheduler signalling the batch shell) reaches launch.sh, which tells torchrun to stop. Either
+    way torchrun passes the signal on and exits 1 with its SignalException, and launch.sh, told by every rank
+    that it stopped and saved, exits 0."""
     out, scratch = tmp_path / "run", tmp_path / "tmp"
     scratch.mkdir()
     proc = start(*options(shared, out, 2), env={"TMPDIR": str(scratch)})
@@ -179,8 +179,22 @@ def test_a_signal_to_the_launcher_stops_the_ranks_gracefully_and_exits_0(shared,
     if how == "Ctrl-C":
         assert "SignalException" in stderr and graceful in stderr, stderr[-3000:]
     else:
-        assert "passed to the ranks, which stop after their step" in stderr and "SignalException" not in stderr
+        assert "launch.sh: SIGTERM: stopping (the ranks finish their step and save" in stderr and graceful in stderr
     assert not list(scratch.glob("unet3d-stop.*")), "launch.sh removes its file"
+
+
+def test_a_signal_to_the_launcher_before_training_ends_the_job_without_a_restart(shared, tmp_path):
+    """SIGTERM to launch.sh while the ranks start (before their stop handlers exist, so the signal ends them):
+    the job ends, and torchrun, told to stop, restarts nothing."""
+    out = tmp_path / "run"
+    proc = start(*options(shared, out, 2))
+    wait_for(out / "logs" / "rank0.log", r"=== rank 0 pid")
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, stdout, stderr = finish(proc, timeout=60)
+    assert "launch.sh: SIGTERM: stopping" in stderr, stderr[-3000:]
+    logs = [(out / "logs" / f"rank{r}.log").read_text() for r in (0, 1) if (out / "logs" / f"rank{r}.log").exists()]
+    assert all("torchrun restart 1" not in log for log in logs), "a stop must not become a restart"
+    assert "epoch 2/2:" not in stdout and (rc == 0) == ("stopped by a stop signal" in stdout), (rc, stdout[-2000:])
 
 
 def test_a_second_job_into_the_same_out_dir_is_refused_while_the_first_trains(shared, tmp_path):

@@ -164,7 +164,8 @@ def launch_time() -> float | None:
 
 
 def report_graceful_stop(stopped: StopReason | None) -> None:
-    """After a stop on a signal (the checkpoint saved), add this rank's line to launch.sh's UNET3D_STOP_FILE.
+    """After a stop on a signal (the checkpoint saved), add this rank's line ("<torchrun restart> <rank>") to
+    launch.sh's UNET3D_STOP_FILE.
 
     torchrun that got the signal too (a scheduler signals every process) exits 1 with a SignalException
     once its ranks have ended; launch.sh reads here that every rank of its node stopped and saved, and exits
@@ -174,7 +175,7 @@ def report_graceful_stop(stopped: StopReason | None) -> None:
         return
     try:
         with open(path, "a") as f:  # one short append per rank: whole lines
-            f.write(f"rank {os.environ.get('RANK', '0')}\n")
+            f.write(f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {os.environ.get('RANK', '0')}\n")
     except OSError as e:  # launch.sh then reports torchrun's exit code, as it would without the file
         get_logger().warning(f"could not tell launch.sh of the graceful stop ({path}: {e.strerror or e})")
 
