@@ -3,8 +3,8 @@ into uncompressed .npy files.
 
 Training opens them as read-only memory maps, so every rank and DataLoader worker on a machine shares one
 copy through the page cache instead of decompressing NIfTI or holding its own arrays. A case is redone when
-its source files change (size, mtime, inode or ctime: a copy over a file that kept its size and mtime is
-still seen), when the plan's preprocessing changes (each plan has its own folder, named by its digest), or
+its source files change (size, mtime, or the bytes at either end: a copy over a file that kept its size and
+mtime is still seen), when the plan's preprocessing changes (each plan has its own folder, named by its digest), or
 when the cache format changes.
 
 Files are named KEY = NAME-<hash of the image's and label's paths>, so that datasets sharing a --cache-dir (a
@@ -36,17 +36,28 @@ from unet3d.files import atomic_write, atomic_write_text
 
 CACHE_VERSION = 6  # 4: fingerprints measure the shape before the crop (the masked z-score's rule); 5: and the
 # labelled voxels the crop removes; 6: NAME_share.npy, the soft targets
+DIGEST_BYTES = 4096  # read from each end of a source file for its stamp
 FINGERPRINT_VERSION = 2  # 2: the obliquity (a change here re-reads the images, not the planned cache)
 
 
 def _sources(case: Case) -> list:
-    """What tells a changed source file: a rewrite changes the mtime, a copy over it (`cp -p`, `rsync -a`,
-    an archive unpacked, all of which may keep the size and the mtime) the inode or the ctime."""
+    """What tells a changed source file: its size, its mtime, and a digest of its first and last bytes, for a
+    copy over it that kept both (`cp -p`, `rsync -a`, an archive unpacked). A .nii.gz ends with the CRC-32 of
+    its whole content; a .nii's header and last voxels are in the digest. Nothing here depends on the file
+    system, so nodes with their own copies of a dataset at one path share a cache."""
     found = []
     for path in (case.image, case.label):
         st = path.stat()
-        found.append([str(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
+        found.append([str(path), st.st_size, st.st_mtime_ns, _ends_digest(path, st.st_size)])
     return found
+
+
+def _ends_digest(path: Path, size: int) -> str:
+    with open(path, "rb") as f:
+        head = f.read(DIGEST_BYTES)
+        f.seek(max(0, size - DIGEST_BYTES))
+        tail = f.read(DIGEST_BYTES)
+    return hashlib.sha1(head + tail).hexdigest()[:16]
 
 
 def _key(case: Case) -> str:

@@ -452,7 +452,7 @@ def test_datasets_sharing_a_cache_keep_their_own_cases_and_a_copy_that_kept_size
     os.utime(case.label, ns=(before.st_atime_ns, before.st_mtime_ns))
     after = case.label.stat()
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
-    assert not is_fresh(case, plan, 3, cache), "the copy kept the size and the mtime, not the ctime"
+    assert not is_fresh(case, plan, 3, cache), "the copy kept the size and the mtime, not the bytes"
 
 
 def test_checks_report_every_broken_case(tmp_path):
