@@ -41,6 +41,7 @@ from unet3d.inference.metrics import case_metrics
 from unet3d.inference.outputs import (
     claim_folder,
     print_table,
+    release_folder,
     rows_from_json,
     save_prediction,
     save_probabilities,
@@ -384,6 +385,8 @@ def finish(args, result: dict[str, Any], shard_files: list[Path]) -> int:
         summary["postprocessing"] = rules
     if not args.images:
         write_metrics(rows, out / "metrics.csv")
+    elif args.overwrite:
+        release_folder(out)  # every case was gone through (a failed one is failed under these settings too)
     write_json(summary, out / "summary.json")
     if rows:
         print_table(summary, len(scored))

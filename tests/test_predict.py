@@ -255,3 +255,23 @@ def test_an_ensemble_of_models_that_cannot_share_one_input_is_refused():
     other = dataclasses.replace(plan, spacing=(1.0, 1.0, 1.5), orientation="RAS")
     with pytest.raises(ValueError, match=r"b\.pt was trained on other preprocessing than a\.pt \(plans \w+ and \w+\)"):
         check_members([member("a.pt"), member("b.pt")], [plan, other], [names, names])
+
+
+def test_an_unfinished_overwrite_leaves_a_folder_only_another_overwrite_may_continue(tmp_path):
+    """--overwrite records its settings before it has segmented anything again: stopped half way, the folder
+    holds cases of two settings, which a run without --overwrite would skip and describe as its own."""
+    from unet3d.inference.outputs import SETTINGS_FILE, claim_folder, release_folder
+
+    folder, old, new = tmp_path / "seg", {"tta": False}, {"tta": True}
+    claim_folder(folder, old, overwrite=False)
+    (folder / "case_a.nii.gz").write_bytes(b"a segmentation")
+    claim_folder(folder, new, overwrite=True)  # ... and stopped before it rewrote case_a
+    for settings in (old, new):
+        with pytest.raises(ValueError, match=f"an --overwrite run into {folder} did not finish"):
+            claim_folder(folder, settings, overwrite=False)
+    claim_folder(folder, new, overwrite=True)
+    release_folder(folder)  # this one went through every case
+    assert json.loads((folder / SETTINGS_FILE).read_text()) == new
+    claim_folder(folder, new, overwrite=False)
+    with pytest.raises(ValueError, match=r"other settings \(tta \(then True, now False\)\)"):
+        claim_folder(folder, old, overwrite=False)

@@ -104,10 +104,15 @@ def write_json(value: Any, path: Path) -> None:
 SETTINGS_FILE = ".segmentation.json"  # in an --images output folder: what made the segmentations there
 
 
+OVERWRITING = "overwriting"  # in the settings file while an --overwrite run has not finished
+
+
 def claim_folder(folder: Path, settings: dict[str, Any], overwrite: bool) -> None:
     """Record in `folder` the settings that segment into it; refuse other settings than those that made the
     segmentations already there, which a run that skips the cases written would leave unchanged and
-    describe as its own. `overwrite`: the new settings replace the old ones (every case is segmented again).
+    describe as its own. `overwrite`: the new settings replace the old ones (every case is segmented again),
+    marked as unfinished until `release_folder`: a folder an --overwrite run left half done holds cases of
+    two settings, and only another --overwrite run may continue it.
 
     Raises:
         ValueError: naming the folder and each setting that differs, unless `overwrite`.
@@ -118,6 +123,11 @@ def claim_folder(folder: Path, settings: dict[str, Any], overwrite: bool) -> Non
             before = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             before = {}
+        if before.pop(OVERWRITING, False):
+            raise ValueError(
+                f"an --overwrite run into {folder} did not finish, so its segmentations are of two settings: run "
+                "it again with --overwrite"
+            )
         if before != plain(settings):
             differ = [
                 f"{k} (then {before.get(k)!r}, now {plain(settings).get(k)!r})"
@@ -129,4 +139,15 @@ def claim_folder(folder: Path, settings: dict[str, Any], overwrite: bool) -> Non
                 "--out-dir, or --overwrite to segment every case again"
             )
     folder.mkdir(parents=True, exist_ok=True)
-    write_json(settings, path)
+    write_json({**settings, OVERWRITING: True} if overwrite else settings, path)
+
+
+def release_folder(folder: Path) -> None:
+    """An --overwrite run has been through every case: its settings are the folder's, as any run's."""
+    path = folder / SETTINGS_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    if saved.pop(OVERWRITING, False):
+        write_json(saved, path)

@@ -55,7 +55,8 @@ def lock_run_folder(out_dir: str | Path, wait_s: float = WAIT_S, keep: bool = Tr
                 holder = f.read().strip() or "a process that left no name"
                 raise ValueError(
                     f"--out-dir {folder} is in use by another job ({holder}): wait for it to end, or give "
-                    "another --out-dir"
+                    f"another --out-dir (if that job is gone, its host crashed on a network file system that "
+                    f"keeps the lock, remove {folder / LOCK_NAME})"
                 )
             time.sleep(0.2)
     except OSError as e:  # ENOLCK, ENOSYS, EINVAL: a file system without locks
