@@ -173,8 +173,8 @@ fi
 # signal on, the ranks finish their step, save and exit 0, and torchrun exits 1 with a SignalException. The
 # ranks get the signal from here as well, in case torchrun, signalled twice (Ctrl-C reaches it directly
 # too), stops passing it on. Every rank that stopped and saved appends "<torchrun restart> <rank>" to
-# UNET3D_STOP_FILE; once the ranks have ended, if all of this node's did so in torchrun's last attempt, the
-# stop was graceful: exit code 0. A second signal goes to the ranks alone, and ends them at once.
+# UNET3D_STOP_FILE; once the ranks have ended, if all of this node's did so in torchrun's last attempt (the
+# one whose ranks started training last), the stop was graceful: exit code 0. A second signal goes to the ranks alone, and ends them at once.
 children() {  # the processes whose parent is $1: torchrun's ranks
   local stat fields ppid
   for stat in /proc/[0-9]*/stat; do
@@ -187,7 +187,7 @@ children() {  # the processes whose parent is $1: torchrun's ranks
     fi
   done
 }
-signals=0 trapped=0 pending='' torchrun_pid='' ranks=''
+signals=0 trapped=0 pending='' torchrun_pid='' ranks='' exited=0
 forward() {  # $1: the signal received
   trapped=1
   if [[ -z $torchrun_pid ]]; then  # torchrun is being started: handled once it has a pid
@@ -195,16 +195,18 @@ forward() {  # $1: the signal received
     return
   fi
   signals=$((signals + 1))
-  local now
-  now=$(children "$torchrun_pid")
-  [[ -z $now ]] || ranks=$now
-  if ((signals == 1)); then
-    echo "launch.sh: SIG$1: stopping (the ranks finish their step and save; a second signal ends them)" >&2
-    kill -s TERM "$torchrun_pid" 2>/dev/null || true
+  local now=$ranks
+  if ((!exited)); then  # (once torchrun has ended, its pid may be another process's)
+    now=$(children "$torchrun_pid")
+    [[ -z $now ]] || ranks=$now
+    ((signals > 1)) || kill -s TERM "$torchrun_pid" 2>/dev/null || true
   fi
   if [[ -n $now ]]; then
     # shellcheck disable=SC2086  # one pid per word
     kill -s "$1" $now 2>/dev/null || true
+  fi
+  if ((signals == 1)); then  # last: a terminal gone or a full disk must not keep the signal from torchrun
+    echo "launch.sh: SIG$1: stopping (the ranks finish their step and save; a second signal ends them)" >&2 || true
   fi
 }
 UNET3D_STOP_FILE=$(mktemp "${TMPDIR:-/tmp}/unet3d-stop.XXXXXX")
@@ -215,6 +217,7 @@ trap 'forward TERM' TERM HUP
 "${torchrun[@]}" "${rendezvous[@]}" --nproc-per-node "$nproc_per_node" --max-restarts "$MAX_RESTARTS" \
   "$here/train_ddp.py" "$@" &
 torchrun_pid=$!
+trap '' PIPE  # (after starting torchrun, which must not inherit it): a reader of our output gone is no end
 [[ -z $pending ]] || forward "$pending"
 rc=0 waited=0
 while :; do
@@ -224,12 +227,19 @@ while :; do
   rc=$status waited=1
   ((trapped && rc > 128)) || break  # else a signal's trap interrupted the wait (128 + the signal)
 done
+exited=1
 deadline=$((SECONDS + 120))
 for pid in $ranks; do  # ranks that a twice-signalled torchrun left behind finish their save first
   while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
 done
-stopped=$(awk 'NF == 2 { if ($1 > last) { last = $1; n = 0; split("", seen) }
-  if ($1 == last && !($2 in seen)) { seen[$2] = 1; n++ } } END { print n + 0 }' "$UNET3D_STOP_FILE")
+# Each rank writes "<restart> -1" when it starts training and "<restart> <rank>" once it stopped and saved:
+# count the ranks that stopped in torchrun's last attempt (the file may be gone: /tmp cleaned meanwhile).
+stopped=0
+if ((rc != 0)); then
+  stopped=$(awk 'NF == 2 { r = $1 + 0; if (r > last) { last = r; n = 0; split("", seen) }
+    if (r == last && $2 >= 0 && !($2 in seen)) { seen[$2] = 1; n++ } } END { print n + 0 }' \
+    "$UNET3D_STOP_FILE" 2>/dev/null) || stopped=0
+fi
 if ((rc != 0 && stopped == nproc_per_node)); then
   echo "launch.sh: torchrun ended on the signal after all $nproc_per_node rank(s) had stopped and saved" >&2
   rc=0

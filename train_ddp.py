@@ -38,7 +38,7 @@ from unet3d.training.control import (
     fail_alone,
     fail_together,
     launch_time,
-    report_graceful_stop,
+    tell_the_launcher,
 )
 from unet3d.training.epoch import train_one_epoch
 from unet3d.training.faults import inject_faults
@@ -117,6 +117,7 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     reporter = Reporter(rt, state, data.spec.class_names) if rt.is_main else None
 
     stats = None
+    tell_the_launcher(starting=True)  # this torchrun attempt is the one whose stop lines count
     try:
         with control.running():  # SIGTERM/SIGINT: every rank finishes the step, saves and stops
             while state.epoch < rt.cfg.epochs:
@@ -136,7 +137,7 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
         if reporter is not None:
             reporter.close()
     get_logger().info(closing_words(rt, state, stats))
-    report_graceful_stop(stats.stopped if stats is not None else None)
+    tell_the_launcher(stats.stopped if stats is not None else None)
     return 0
 
 

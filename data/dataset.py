@@ -126,7 +126,7 @@ PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread t
 
 
 def ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader worker_init_fn: SIGINT and SIGTERM are the training process's to handle.
+    """DataLoader worker_init_fn: SIGINT, SIGTERM and SIGHUP are the training process's to handle.
 
     A Ctrl-C reaches every process of the terminal's group; workers that died of it would break the
     training process's graceful stop. They end with their parent instead: on Linux at once, by a SIGKILL
@@ -136,6 +136,7 @@ def ignore_stop_signals(worker_id: int) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # torchrun passes a hangup on to each rank's process group
     die_with_parent()
 
 

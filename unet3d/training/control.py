@@ -23,7 +23,7 @@ from unet3d.training import dist
 from unet3d.training.logs import file_only, get_logger
 from unet3d.training.timing import StepTimer
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # (torchrun passes a hangup on as SIGHUP)
 STOP_FILE_ENV = "UNET3D_STOP_FILE"  # launch.sh's file for the ranks that stopped gracefully on a signal
 DEBOUNCE_S = 2.0  # one event often arrives twice (the terminal's Ctrl-C and torchrun forwarding it)
 EXIT_MARGIN_S = 3.0  # a time-limited run's allowance for writing the last checkpoint and exiting
@@ -37,17 +37,17 @@ class TrainingError(RuntimeError):
 class StopReason(enum.Enum):
     """Why every rank stopped training inside an epoch (decisions go by the value, never by the message)."""
 
-    SIGNAL = "signal"  # SIGTERM or SIGINT on some rank
+    SIGNAL = "signal"  # SIGTERM, SIGINT or SIGHUP on some rank
     TIME_LIMIT = "time limit"  # --time-limit reached; a last validation still fits
 
     def describe(self, budget: TimeBudget | None) -> str:
         if self is StopReason.TIME_LIMIT and budget is not None:
             return f"the time limit ({budget.limit_s:.0f} s)"
-        return "a stop signal (SIGTERM/SIGINT)" if self is StopReason.SIGNAL else "the time limit"
+        return "a stop signal (SIGTERM/SIGINT/SIGHUP)" if self is StopReason.SIGNAL else "the time limit"
 
 
 class StopSignal:
-    """SIGTERM or SIGINT during training asks for a graceful stop; a second one ends the process at once.
+    """SIGTERM, SIGINT or SIGHUP during training asks for a graceful stop; a second one ends the process at once.
 
     Installed only while the training loop runs: before that, the default handlers end the process at
     once, as they should for a worker that torchrun stops before it has started training.
@@ -163,21 +163,23 @@ def launch_time() -> float | None:
     return float(stamp) if stamp else None
 
 
-def report_graceful_stop(stopped: StopReason | None) -> None:
-    """After a stop on a signal (the checkpoint saved), add this rank's line ("<torchrun restart> <rank>") to
-    launch.sh's UNET3D_STOP_FILE.
+def tell_the_launcher(stopped: StopReason | None = None, *, starting: bool = False) -> None:
+    """Write this rank's line to launch.sh's UNET3D_STOP_FILE: "<torchrun restart> -1" as training starts
+    (`starting`), "<torchrun restart> <rank>" after a stop on a signal with the checkpoint saved.
 
-    torchrun that got the signal too (a scheduler signals every process) exits 1 with a SignalException
-    once its ranks have ended; launch.sh reads here that every rank of its node stopped and saved, and exits
-    0 as a graceful stop should. Nothing without launch.sh."""
+    torchrun that got the signal too (Ctrl-C, a scheduler signalling every process) exits 1 with a
+    SignalException once its ranks have ended; launch.sh reads here that every rank of its node stopped and
+    saved in torchrun's last attempt (the one that started training last), and exits 0 as a graceful stop
+    should. Nothing without launch.sh."""
     path = os.environ.get(STOP_FILE_ENV)
-    if stopped is not StopReason.SIGNAL or not path:
+    if not path or not (starting or stopped is StopReason.SIGNAL):
         return
+    rank = "-1" if starting else os.environ.get("RANK", "0")
     try:
-        with open(path, "a") as f:  # one short append per rank: whole lines
-            f.write(f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {os.environ.get('RANK', '0')}\n")
+        with open(path, "a") as f:  # one short append per line: whole lines
+            f.write(f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {rank}\n")
     except OSError as e:  # launch.sh then reports torchrun's exit code, as it would without the file
-        get_logger().warning(f"could not tell launch.sh of the graceful stop ({path}: {e.strerror or e})")
+        get_logger().warning(f"could not write to launch.sh's {path} ({e.strerror or e})")
 
 
 def end_job_without_restart() -> bool:
@@ -218,7 +220,7 @@ class StepControl:
 
     @contextmanager
     def running(self) -> Iterator[None]:
-        """While training runs: SIGTERM/SIGINT ask for a graceful stop (`StopSignal`), and the profiler, if
+        """While training runs: SIGTERM/SIGINT/SIGHUP ask for a graceful stop (`StopSignal`), and the profiler, if
         any, records."""
         self.signal.install()
         if self.profiler is not None:
