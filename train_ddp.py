@@ -9,6 +9,7 @@ printing) are left to rank 0.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from unet3d.training.checkpointing import (
 from unet3d.training.config import TrainConfig, parse_args
 from unet3d.training.control import (
     StepControl,
+    StopReason,
     TimeBudget,
     TrainingError,
     fail_alone,
@@ -123,13 +125,16 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
             while state.epoch < rt.cfg.epochs:
                 loader.sampler.set_epoch(state.epoch, skip=state.step * rt.cfg.batch_size)  # a new order each epoch
                 stats = train_one_epoch(rt, state, model, loss_fn, loader, control)  # advances state
-                val = None
+                val, given_up = None, False
                 if validation_due(rt.cfg, state.epoch, stats.stopped):
                     val = run_validation(rt, state.model, val_cases, data.spec.num_classes, control)
+                    given_up = val is None  # a stop signal came during it: the epoch is kept, not validated
                 is_best = state.record(val.mean_dice if val is not None else None)
                 save_checkpoints(rt, state, is_best)
                 if rt.is_main:
                     reporter.epoch(stats, val, is_best)
+                if given_up:
+                    stats = dataclasses.replace(stats, stopped=StopReason.SIGNAL)
                 if stats.stopped is not None:
                     break
     finally:

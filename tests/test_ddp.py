@@ -121,6 +121,28 @@ def test_distributed_validation_equals_single_process(tmp_path, alone):
             assert abs(got["mean"] - single["mean"]) < 1e-12
 
 
+def validation_asked_to_stop(info: dist.DistInfo, out: Path) -> None:
+    """Rank 1 is asked to stop (a stop signal) once it has predicted its first case."""
+    torch.manual_seed(0)
+    model = UNet3D(1, 3, (4, 8))
+    cases = [PreparedCase(f"v{i}", image, label, {}) for i, (image, label) in enumerate(make_val_cases())]
+    mine = shard(cases, info.rank, info.world_size)
+    asked = []
+    result = validate(
+        model, mine, 3, InferenceSettings(window=(8, 8, 8)), info.device,
+        stop=lambda: asked.append(1) is None and info.rank == 1,
+    )  # fmt: skip
+    out.with_name(f"{out.stem}_{info.rank}.txt").write_text(f"{result is None} {len(asked)}")
+
+
+def test_a_stop_signal_during_validation_ends_it_on_every_rank_after_the_same_round(tmp_path):
+    """A validation of many large scans can outlast what torchrun or a scheduler waits for a graceful stop:
+    a rank asked to stop says so in the round's reduction, and every rank gives up after that round."""
+    spawn_ranks(validation_asked_to_stop, 2, tmp_path / "stop.pt")
+    verdicts = [(tmp_path / f"stop_{rank}.txt").read_text() for rank in range(2)]
+    assert verdicts == ["True 1", "True 1"], "both ranks gave up after the first of three rounds"
+
+
 def evaluate_case(model, image, label) -> list[float]:
     """evaluate.py's per-case Dice for one case (the definition validation must reproduce)."""
     pred = predict(model, image, InferenceSettings(window=(8, 8, 8)), torch.device("cpu")).numpy()

@@ -12,7 +12,7 @@ Each rank runs the unwrapped model, never the DDP wrapper, so no rank waits on a
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,7 +50,8 @@ def validate(
     settings: InferenceSettings,
     device: torch.device,
     keep_preview: bool = False,
-) -> ValResult:
+    stop: Callable[[], bool] | None = None,
+) -> ValResult | None:
     """Per-class and mean Dice over every rank's validation cases. Every rank must call this.
 
     Each case is predicted in the planned space and scored on its file's own grid, the way evaluate.py
@@ -63,12 +64,17 @@ def validate(
         settings: the sliding-window inference settings.
         keep_preview: keep the middle planes of this rank's first case (`pictures.middle_planes`, in the planned
             space) for a picture; only the rank that draws it should, so the others hold no copy of a volume.
+        stop: whether this rank was asked to stop (a stop signal); asked on every rank after every round.
+
+    Returns:
+        None when some rank was asked to stop: every rank gives up after the same round (a validation of
+        many large scans can take longer than a scheduler or torchrun waits for a graceful stop).
     """
     rounds = int(dist.all_reduce_max(torch.tensor([len(cases)], dtype=torch.float64, device=device)).item())
-    totals = torch.zeros(num_classes + 1, dtype=torch.float64, device=device)  # Dice sums per class, cases
+    totals = torch.zeros(num_classes + 2, dtype=torch.float64, device=device)  # Dice sums per class, cases, stop
     preview = None
     for i in range(rounds):
-        mine = torch.zeros(num_classes + 1, dtype=torch.float64, device=device)
+        mine = torch.zeros(num_classes + 2, dtype=torch.float64, device=device)
         if i < len(cases):
             case = cases[i]
             probs = predict_probabilities(model, case.image, settings, device)
@@ -84,8 +90,12 @@ def validate(
             if keep_preview and preview is None:
                 preview = _preview(case, probs.argmax(0), float(dice[1:].mean()))
             del probs, pred, ref  # freed before the next case's logits are stitched, not after
+        if stop is not None and stop():
+            mine[-1] = 1
         totals += dist.all_reduce_sum(mine)  # every rank, every round: a round waits for one case at most
-    n = int(totals[-1].item())
+        if totals[-1].item() > 0:
+            return None
+    n = int(totals[num_classes].item())
     if n == 0:
         raise ValueError("validation has no cases")
     per_class = (totals[1:num_classes] / n).cpu().numpy()
@@ -115,11 +125,17 @@ def validation_due(cfg: TrainConfig, epochs_done: int, stopped: StopReason | Non
 
 def run_validation(
     rt: Runtime, model: nn.Module, cases: Sequence[PreparedCase], num_classes: int, control: StepControl
-) -> ValResult:
+) -> ValResult | None:
     """`validate` this rank's cases; with a time budget, the time it took (agreed across ranks) sizes the
-    room kept for the next one."""
+    room kept for the next one. None when a stop signal came meanwhile (on any rank)."""
     began = time.perf_counter()
-    val = validate(model, cases, num_classes, rt.inference(), rt.device, keep_preview=rt.is_main)
+    asked = control.signal
+    val = validate(
+        model, cases, num_classes, rt.inference(), rt.device, keep_preview=rt.is_main,
+        stop=lambda: asked.received is not None,
+    )  # fmt: skip
+    if val is None:  # every rank: the same verdict came out of the same reduction
+        return None
     if control.budget is not None:  # the reserve steers every rank's learning rate: it must be the same everywhere
         seconds = dist.all_reduce_sum(torch.tensor([time.perf_counter() - began], device=rt.device))
         control.budget.plan_reserve(seconds.item() / rt.world_size)
