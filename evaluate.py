@@ -118,8 +118,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_options(args)
         gpus = [int(g) for g in args.gpu.split(",")] if args.gpu else []
-        if len(set(gpus)) != len(gpus) or min(gpus, default=0) < 0:
-            raise ValueError(f"--gpu {args.gpu}: give distinct physical GPU ids, e.g. 5 or 5,6,7")
         if args.workers < 1 or (args.workers > 1 and (gpus or (args.device or "cpu") != "cpu")):
             raise ValueError(f"--workers {args.workers}: N >= 1, and more than one only with --device cpu")
         if args.images and not args.shard:  # the shards' parent, or the one process
@@ -134,8 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def check_options(args: argparse.Namespace) -> None:
     """Refuse option values that every case would fail on (or that would be ignored), before any case."""
-    if args.gpu and not re.fullmatch(r"[0-9]+(,[0-9]+)*", args.gpu):
-        raise ValueError(f"--gpu {args.gpu}: give physical GPU ids as nvidia-smi numbers them, e.g. 5 or 5,6,7")
+    ids = args.gpu.split(",") if args.gpu else []
+    if not all(re.fullmatch("[0-9]+", i) for i in ids) or len({int(i) for i in ids}) != len(ids):
+        raise ValueError(
+            f"--gpu {args.gpu}: give physical GPU ids as nvidia-smi numbers them, each once, e.g. 5 or 5,6,7"
+        )
     if args.window is not None and (len(args.window) not in (1, 3) or min(args.window) < 1):
         raise ValueError(f"--window takes one positive size or three, got {' '.join(map(str, args.window))}")
     if not 0 <= args.overlap < 1:  # (NaN fails too)
@@ -150,11 +151,10 @@ def segmentation_settings(args: argparse.Namespace) -> dict[str, Any]:
     """What decides the segmentations of `--images`: each checkpoint (its file, size and time), the window,
     overlap, TTA, precision, post-processing, probabilities and the bare-weights architecture."""
     checkpoints = []
-    for path in args.checkpoint:
-        info = Path(path).resolve().stat() if Path(path).is_file() else None
-        checkpoints.append(
-            [str(Path(path).resolve()), info.st_size if info else None, info.st_mtime_ns if info else None]
-        )
+    for given in args.checkpoint:
+        path = Path(given).resolve()
+        info = path.stat() if path.is_file() else None
+        checkpoints.append([str(path), info.st_size if info else None, info.st_mtime_ns if info else None])
     rules = Path(args.postprocess).read_text() if args.postprocess and Path(args.postprocess).is_file() else None
     return {
         "checkpoints": checkpoints, "window": args.window, "overlap": args.overlap, "tta": args.tta,

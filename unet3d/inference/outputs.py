@@ -102,8 +102,6 @@ def write_json(value: Any, path: Path) -> None:
 
 
 SETTINGS_FILE = ".segmentation.json"  # in an --images output folder: what made the segmentations there
-
-
 OVERWRITING = "overwriting"  # in the settings file while an --overwrite run has not finished
 
 
@@ -128,11 +126,12 @@ def claim_folder(folder: Path, settings: dict[str, Any], overwrite: bool) -> Non
                 f"an --overwrite run into {folder} did not finish, so its segmentations are of two settings: run "
                 "it again with --overwrite"
             )
-        if before != plain(settings):
+        now = plain(settings)
+        if before != now:
             differ = [
-                f"{k} (then {before.get(k)!r}, now {plain(settings).get(k)!r})"
-                for k in sorted(set(before) | set(settings))
-                if before.get(k) != plain(settings).get(k)
+                f"{k} (then {before.get(k)!r}, now {now.get(k)!r})"
+                for k in sorted(set(before) | set(now))
+                if before.get(k) != now.get(k)
             ]
             raise ValueError(
                 f"{folder} holds segmentations made with other settings ({'; '.join(differ)}); give another "
