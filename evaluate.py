@@ -58,6 +58,7 @@ from unet3d.inference.predictor import (
     load_members,
     member_plan,
 )
+from unet3d.inference.sliding_window import overlap_problem
 from unet3d.precision import AMP_CHOICES, MEMORY_FORMAT_CHOICES, format_name, resolve_amp, resolve_memory_format
 
 
@@ -85,8 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
         "default: the first visible GPU, else the CPU",
     )
     p.add_argument("--workers", type=int, default=1, help="with --device cpu: shard the cases over N processes")
-    p.add_argument("--window", type=int, nargs="+", metavar="N", help="sliding window (default: the training patch)")
-    p.add_argument("--overlap", type=float, default=0.5, help="sliding-window overlap (default: 0.5)")
+    p.add_argument(
+        "--window", type=int, nargs="+", metavar="N",
+        help="sliding window (default: the training patch); cut to a case it is larger than, not below the patch",
+    )  # fmt: skip
+    p.add_argument("--overlap", type=float, default=0.5, help="sliding-window overlap, 0 to 0.9 (default: 0.5)")
     p.add_argument("--sw-batch-size", type=int, help="windows per forward pass (default: the training batch size)")
     p.add_argument("--amp", choices=AMP_CHOICES, default="auto", help="mixed precision, as in training (default: auto)")
     p.add_argument(
@@ -139,8 +143,8 @@ def check_options(args: argparse.Namespace) -> None:
         )
     if args.window is not None and (len(args.window) not in (1, 3) or min(args.window) < 1):
         raise ValueError(f"--window takes one positive size or three, got {' '.join(map(str, args.window))}")
-    if not 0 <= args.overlap < 1:  # (NaN fails too)
-        raise ValueError(f"--overlap must be in [0, 1), got {args.overlap}")
+    if problem := overlap_problem("--overlap", args.overlap):
+        raise ValueError(problem)
     if args.sw_batch_size is not None and args.sw_batch_size < 1:
         raise ValueError(f"--sw-batch-size must be >= 1, got {args.sw_batch_size}")
     if args.overview_cases < 0:

@@ -53,6 +53,7 @@ def test_parse_types_and_patch_forms():
         (["--setup-timeout", "0.001"], "--setup-timeout must be 1 to 604800 seconds, got 0.001"),
         (["--seed", "-1"], "--seed must be in 0..4294967295, got -1"),
         (["--fold", "\u00b2"], "--fold must be all or a fold number, got '\u00b2'"),  # a digit to isdigit()
+        (["--val-overlap", "0.99"], "--val-overlap must be in [0, 0.9], got 0.99 (each voxel is predicted in"),
         (["--synthetic-cases", "1"], "--synthetic-cases must be >= 2 and --synthetic-size >= 8, got 1 and 64"),
     ],
 )

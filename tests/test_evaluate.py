@@ -225,8 +225,9 @@ def test_a_dataset_of_other_classes_than_the_models_is_refused(weights, tiny_dat
     [
         (["--window", "0"], "--window takes one positive size or three, got 0"),
         (["--window", "32", "32"], "--window takes one positive size or three, got 32 32"),
-        (["--overlap", "1.0"], "--overlap must be in [0, 1), got 1.0"),
-        (["--overlap", "nan"], "--overlap must be in [0, 1), got nan"),
+        (["--overlap", "1.0"], "--overlap must be in [0, 0.9], got 1.0"),
+        (["--overlap", "nan"], "--overlap must be in [0, 0.9], got nan"),
+        (["--overlap", "0.999"], "--overlap must be in [0, 0.9], got 0.999 (each voxel is predicted in"),  # a hang
         (["--sw-batch-size", "0"], "--sw-batch-size must be >= 1, got 0"),  # was silently the training batch
         (["--gpu", "abc"], "--gpu abc: give physical GPU ids as nvidia-smi numbers them"),
     ],

@@ -275,3 +275,27 @@ def test_an_unfinished_overwrite_leaves_a_folder_only_another_overwrite_may_cont
     claim_folder(folder, new, overwrite=False)
     with pytest.raises(ValueError, match=r"other settings \(tta \(then True, now False\)\)"):
         claim_folder(folder, old, overwrite=False)
+
+
+def test_a_window_larger_than_the_case_is_cut_to_it_but_never_below_the_training_patch():
+    """`--window 1000` padded every case to 1000^3 (tens of GB of activations); on each axis the window is now
+    cut to the case's planned size rounded up to the model's divisor, and a window of the training patch's
+    size stays the patch (as validation predicts), however small the case."""
+    from data.plan import legacy_plan
+    from unet3d.inference.predictor import Member, Options, Predictor
+
+    model = UNet3D(1, 3, (4, 8, 16))  # divisor 4 on every axis
+    plan = legacy_plan(["MRI"], (16, 16, 8), (4, 8, 16))
+
+    def window(given, shape, config=True):
+        options = Options(window=given)
+        checkpoint = {"config": {"patch_size": [16, 16, 8], "batch_size": 2}} if config else {}
+        member = Member("m.pt", model, checkpoint, given or ((16, 16, 8) if config else None))
+        return Predictor([member], plan, CLASSES, options, torch.device("cpu")).settings(member, shape).window
+
+    assert window((1000, 1000, 1000), (30, 21, 9)) == (32, 24, 12), "cut to the case, rounded up to 4"
+    assert window((1000, 1000, 1000), (10, 50, 3)) == (16, 52, 8), "never below the training patch"
+    assert window((16, 16, 8), (5, 5, 5)) == (16, 16, 8), "the patch's own size predicts as validation"
+    assert window((24, 8, 1000), (30, 21, 9)) == (24, 8, 12), "a window smaller than the case is kept"
+    assert window((1000, 1000, 1000), (10, 50, 3), config=False) == (12, 52, 4), "a bare state dict: the case"
+    assert window(None, (200, 200, 200)) == (16, 16, 8), "no --window: the training patch, untouched"

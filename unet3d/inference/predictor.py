@@ -87,11 +87,17 @@ class Predictor:
         self.in_channels = image_channels(members[0])  # the images' own channels
 
     def settings(self, member: Member, planned_shape: Sequence[int]) -> InferenceSettings:
-        o = self.options
-        window = member.window or fit_patch((128, 128, 128), planned_shape, member.model.size_divisor)
-        if any(w % d for w, d in zip(window, member.model.size_divisor)):
-            raise ValueError(f"--window {window}: each size must be divisible by {member.model.size_divisor}")
-        cfg = member.config or {}
+        o, divisor, cfg = self.options, member.model.size_divisor, member.config or {}
+        window = member.window or fit_patch((128, 128, 128), planned_shape, divisor)
+        if any(w % d for w, d in zip(window, divisor)):
+            raise ValueError(f"--window {window}: each size must be divisible by {divisor}")
+        if o.window is not None:  # a window beyond the case is cut to it (rounded up to a size the model takes):
+            # the rest would be padding, whose memory (--window 1000: every case padded to 1000^3) and zeros
+            # (in the normalisation's statistics) buy nothing; never below the training patch, so a window
+            # of the patch's size predicts as validation does
+            patch = tuple(cfg["patch_size"]) if cfg else (0, 0, 0)
+            cut = fit_patch(window, planned_shape, divisor)
+            window = tuple(max(c, min(w, p)) for c, w, p in zip(cut, window, patch))
         batch = o.sw_batch_size if o.sw_batch_size is not None else cfg.get("batch_size", 2)
         return InferenceSettings(
             window=window, overlap=o.overlap, sw_batch_size=batch, amp_dtype=o.amp_dtype, tta=o.tta

@@ -28,6 +28,20 @@ def window_starts(size: int, window: int, overlap: float) -> list[int]:
     return [min(i * step, size - window) for i in range(count)]
 
 
+MAX_OVERLAP = 0.9  # each voxel is predicted in about (1 / (1 - overlap))^3 windows: 8 at 0.5, 1000 at 0.9;
+# beyond it the count explodes (at 0.999 a window every voxel: millions per scan, a run that never ends)
+
+
+def overlap_problem(option: str, overlap: float) -> str | None:
+    """Why `overlap` cannot be used as the value of `option`, or None."""
+    if 0 <= overlap <= MAX_OVERLAP:  # (NaN fails too)
+        return None
+    return (
+        f"{option} must be in [0, {MAX_OVERLAP}], got {overlap} (each voxel is predicted in about "
+        f"(1 / (1 - overlap))^3 windows: 8 at 0.5, 64 at 0.75, 1000 at {MAX_OVERLAP})"
+    )
+
+
 SIGMA_SCALE = 0.125  # the Gaussian's sigma per axis, as a fraction of the window (nnU-Net, MONAI)
 
 
@@ -36,14 +50,14 @@ class InferenceSettings:
     """How a whole volume is predicted: the same settings in validation and in evaluate.py."""
 
     window: tuple[int, int, int]  # sliding window (X, Y, Z), each a size the model accepts
-    overlap: float = 0.5  # fraction of a window shared with its neighbour, in [0, 1)
+    overlap: float = 0.5  # fraction of a window shared with its neighbour, in [0, MAX_OVERLAP]
     sw_batch_size: int = 2  # windows per forward pass
     amp_dtype: torch.dtype | None = None  # autocast dtype, or None for full precision
     tta: bool = False  # average the softmax over the 8 mirrorings of the three axes
 
     def __post_init__(self) -> None:
-        if not 0 <= self.overlap < 1:
-            raise ValueError(f"overlap must be in [0, 1), got {self.overlap}")
+        if problem := overlap_problem("overlap", self.overlap):
+            raise ValueError(problem)
         if self.sw_batch_size < 1:
             raise ValueError(f"sw_batch_size must be >= 1, got {self.sw_batch_size}")
         object.__setattr__(self, "window", tuple(int(w) for w in self.window))

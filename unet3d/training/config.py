@@ -19,6 +19,7 @@ from data.plan import ACQUISITION_CHANNELS, CROPS, ORIENTATIONS, Plan, PlanReque
 from data.prepare import DataConfig
 from data.synthetic import GEOMETRIES
 from unet3d import precision
+from unet3d.inference.sliding_window import overlap_problem
 
 MAX_FEATURES = 4096  # channels of one level: far beyond any GPU's memory for a 3D U-Net
 MAX_LR = 1000.0  # above this a learning rate (or weight decay) is a typo, and overflows float32 updates
@@ -193,7 +194,7 @@ class TrainConfig:
     )
     fg_fraction: float = _f(1 / 3, "share of patches centred on a foreground voxel")
     val_every: int = _f(1, "validate every this many epochs (and after the last)")
-    val_overlap: float = _f(0.5, "sliding-window overlap during validation")
+    val_overlap: float = _f(0.5, "sliding-window overlap during validation, 0 to 0.9")
     num_workers: int | None = _f(None, "DataLoader workers per process (default: from CPUs per local rank)")
     resume: str = _f(
         "auto", "auto (OUT/checkpoints/last.pt, else previous.pt, if one exists), none, or a checkpoint path"
@@ -261,8 +262,8 @@ class TrainConfig:
             raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if not 0 <= self.fg_fraction <= 1:
             raise ValueError(f"--fg-fraction must be in [0, 1], got {self.fg_fraction}")
-        if not 0 <= self.val_overlap < 1:
-            raise ValueError(f"--val-overlap must be in [0, 1), got {self.val_overlap}")
+        if problem := overlap_problem("--val-overlap", self.val_overlap):
+            raise ValueError(problem)
         if self.fold is not None and self.fold != "all" and not re.fullmatch("[0-9]+", str(self.fold)):
             raise ValueError(f"--fold must be all or a fold number, got {self.fold!r}")
         if self.folds < 2:
