@@ -128,8 +128,8 @@ else
   spec=$(IFS=,; echo "${ids[*]}")
   command -v nvidia-smi >/dev/null 2>&1 || die "nvidia-smi not found: no NVIDIA driver? Use 'cpu' to train on the CPU"
   smi=(nvidia-smi -L)
-  wait_s=$(number "${NVIDIA_SMI_TIMEOUT:-60}") ||
-    die "NVIDIA_SMI_TIMEOUT must be a number of seconds, got '$NVIDIA_SMI_TIMEOUT'"
+  wait_s=$(number "${NVIDIA_SMI_TIMEOUT:-60}") && ((wait_s >= 1)) ||  # (timeout 0 would wait for ever)
+    die "NVIDIA_SMI_TIMEOUT must be a positive number of seconds, got '$NVIDIA_SMI_TIMEOUT'"
   command -v timeout >/dev/null 2>&1 && smi=(timeout "$wait_s" nvidia-smi -L)  # a hung driver: a message, no hang
   listing=$("${smi[@]}" 2>/dev/null) ||
     die "nvidia-smi -L failed or did not answer within ${wait_s} s; is the NVIDIA driver loaded?"

@@ -100,7 +100,7 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     # State: built on this rank's device; the checkpoint is loaded into it on every rank before DDP wraps it.
     state = build_state(rt, data)
     if checkpoint is not None:
-        check_resumable(rt, checkpoint, state.model_args, Path(source))
+        check_resumable(rt, checkpoint, state.model_args, Path(source), state.class_names)
         resume(rt, state, checkpoint, Path(source))
     del checkpoint  # its host copy of the weights and moments is no longer needed
     validates = ever_validates(rt.cfg)  # a budget keeps room for a last validation only where one comes

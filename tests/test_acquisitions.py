@@ -200,3 +200,43 @@ def test_with_an_acquisition_channel_simulation_sets_it_and_augmentation_only_mi
         flips = [a for a, n in enumerate((8 * 9, 9, 1)) if (corner // n) % (8, 8, 9)[a] != 0]
         expected = np.flip(marker[0], flips) if flips else marker[0]
         np.testing.assert_array_equal(both[-1], expected)
+
+
+@pytest.mark.parametrize(
+    ("options", "thick", "soft", "fg"),
+    [
+        ([], ((2, 3.0),), True, 1 / 3),
+        (["--simulate-thick-slices", "off", "--label-targets", "hard", "--fg-fraction", "0.8"], (), False, 0.8),
+    ],
+    ids=["defaults", "off-hard-0.8"],
+)
+def test_the_training_options_of_the_patches_reach_the_loader(options, thick, soft, fg):
+    """`--simulate-thick-slices`, `--label-targets` and `--fg-fraction` on the command line, through the
+    rank's loader (`make_loader`) to the patch dataset its workers draw from."""
+    from types import SimpleNamespace
+
+    from unet3d.training.config import parse_args
+    from unet3d.training.loading import make_loader
+
+    label = np.zeros((12, 12, 12), np.uint8)
+    label[3:9, 3:9, 3:9] = 1
+    image = label[None].astype(np.float32)
+    cases = [_case("fine", (1.0, 1.0, 1.0), image, label), _case("thick", (1.0, 1.0, 3.0), image, label)]
+    cfg = parse_args(
+        [
+            "--patch-size",
+            "8",
+            "--num-workers",
+            "0",
+            "--samples-per-epoch",
+            "8",
+            "--augmentation",
+            "nnunet",
+            "--batch-size",
+            "2",
+            *options,
+        ]
+    )
+    rt = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(rank=0), world_size=1, device=torch.device("cpu"))
+    dataset = make_loader(rt, cases).dataset
+    assert (dataset.acquisitions, dataset.soft_labels, dataset.fg_fraction) == (thick, soft, fg)

@@ -188,3 +188,23 @@ def test_a_resume_at_an_epoch_boundary_names_a_changed_seed_batch_or_epoch_lengt
     assert changed == ["batch_size", "epochs", "samples_per_epoch", "seed"], "num_workers changes without a word"
     with pytest.raises(CheckpointError, match=r"seed \(checkpoint 0, now 3; needed to resume mid-epoch\)"):
         check_compatible({**state, "step": 5}, now, args, 2, Path("last.pt"))
+
+
+def test_a_resume_names_classes_the_dataset_renamed_and_refuses_another_number_of_them():
+    """The same number of classes under other names trains on (the same output channels) with a warning naming
+    both lists, as evaluate.py does; another number of classes cannot continue."""
+    import dataclasses
+
+    from unet3d.training.checkpointing import check_compatible
+    from unet3d.training.config import TrainConfig
+
+    config = dataclasses.asdict(TrainConfig())
+    args = {"in_channels": 1, "num_classes": 3}
+    state = {"config": config, "model_args": args, "step": 0, "class_names": ["background", "organ", "lesion"]}
+    assert check_compatible(state, config, args, 1, Path("last.pt"), ["background", "organ", "lesion"]) == []
+    changed = check_compatible(state, config, args, 1, Path("last.pt"), ["background", "liver", "tumour"])
+    assert changed == [
+        "class names (checkpoint ['background', 'organ', 'lesion'], now ['background', 'liver', 'tumour'])"
+    ]
+    with pytest.raises(CheckpointError, match=r"num_classes \(checkpoint 3, now 2\)"):
+        check_compatible(state, config, {**args, "num_classes": 2}, 1, Path("last.pt"), ["background", "organ"])

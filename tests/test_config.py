@@ -154,6 +154,30 @@ def test_readme_documents_every_option():
     assert not missing, f"README.md does not document {missing}"
 
 
+def test_readme_documents_every_evaluate_option_and_launcher_variable():
+    """evaluate.py's options (but the hidden --shard, its own children's) and launch.sh's environment
+    variables (those its --help lists) are interfaces too."""
+    import argparse
+    import re
+
+    import evaluate
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    shown = [a for a in evaluate.build_parser()._actions if a.help is not argparse.SUPPRESS]
+    options = [a.option_strings[0] for a in shown if a.option_strings and a.option_strings[0] != "-h"]
+    assert "--overwrite" in options and "--shard" not in options
+    spans = " ".join(re.findall(r"`[^`\n]+`", readme))  # the code spans: `--device cpu --workers N` names both
+    missing = [opt for opt in options if not re.search(re.escape(opt) + r"(?![\w-])", spans)]
+    assert not missing, f"README.md does not document evaluate.py's {missing}"
+    usage = (root / "launch.sh").read_text().split("Environment", 1)[1].split("EOF", 1)[0]
+    heads = re.findall(r"^  ([A-Z][A-Z_]+(?:, [A-Z][A-Z_]+)*)", usage, re.M)  # "  NNODES, NODE_RANK, ..."
+    names = {name for head in heads for name in head.split(", ")}
+    assert {"NNODES", "MASTER_ADDR", "NVIDIA_SMI_TIMEOUT", "PYTHON", "TORCHRUN"} <= names, names
+    missing = sorted(n for n in names if not re.search(rf"\b{n}\b", readme))
+    assert not missing, f"README.md does not document launch.sh's {missing}"
+
+
 def test_more_levels_than_the_patch_allows_is_refused_in_plain_numbers():
     with pytest.raises(ValueError) as err:
         planned(TrainConfig(features=(8, 16, 32, 64, 128), patch_size=(40, 40, 40)), "cpu", (90, 100, 90), (2, 2, 2))
@@ -171,3 +195,40 @@ def test_a_median_case_too_small_for_any_downsampling_is_refused_with_its_number
     )
     assert "give a finer --spacing or a larger --patch-size" in str(err.value)
     assert len(planned(TrainConfig(), "cpu", (8, 8, 8), (2, 2, 2)).strides) == 2, "8 voxels halve once"
+
+
+def test_the_learning_rate_follows_poly_for_sgd_and_warmup_then_cosine_for_adamw():
+    """SGD: lr * (1 - progress)^0.9 (nnU-Net); AdamW: a linear warm-up over the first WARMUP of training,
+    then a cosine to zero; both driven by progress, which a time budget sets as epochs do."""
+    import math
+
+    import torch
+
+    from unet3d.training.optim import WARMUP, build_schedule
+
+    def lrs(name: str, points) -> list[float]:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+        schedule = build_schedule(optimizer, name)
+        out = []
+        for p in points:
+            schedule.set_progress(p)
+            out.append(schedule.get_last_lr()[0])
+        return out
+
+    assert lrs("sgd", [0, 0.5, 1]) == pytest.approx([0.01, 0.01 * 0.5**0.9, 0.0])
+    warm = lrs("adamw", [0, WARMUP / 2, WARMUP, (1 + WARMUP) / 2, 1, 2])
+    assert warm[0] < 0.001 and warm[1] == pytest.approx(0.005, rel=0.06) and warm[2] == pytest.approx(0.01)
+    assert warm[3] == pytest.approx(0.005) and warm[4] == pytest.approx(0) and warm[5] == pytest.approx(0)
+    assert math.isclose(lrs("adamw", [0.3])[0], 0.005 * (1 + math.cos(math.pi * (0.3 - WARMUP) / (1 - WARMUP))))
+
+
+def test_validation_comes_every_val_every_epochs_and_after_the_last():
+    """--val-every 2 with --epochs 5 validates after epochs 2, 4 and 5; after a stop only for the time
+    limit (its budget kept room), never with --fold all."""
+    from unet3d.training.control import StopReason
+    from unet3d.training.validation import validation_due
+
+    cfg = parse_args(["--val-every", "2", "--epochs", "5"])
+    assert [e for e in range(1, 6) if validation_due(cfg, e, None)] == [2, 4, 5]
+    assert validation_due(cfg, 1, StopReason.TIME_LIMIT) and not validation_due(cfg, 2, StopReason.SIGNAL)
+    assert not any(validation_due(parse_args(["--fold", "all"]), e, None) for e in range(1, 4))

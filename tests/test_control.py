@@ -44,9 +44,11 @@ def _ask(proc: subprocess.Popen) -> str:
     return proc.stdout.readline().strip()
 
 
-def test_first_signal_asks_to_stop_a_second_one_ends_at_once():
+@pytest.mark.parametrize("first", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_first_signal_asks_to_stop_a_second_one_ends_at_once(first):
+    """SIGHUP too (a closed terminal, and torchrun passes a hangup on): a stop, not the end of the rank."""
     proc = _start("training")
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(first)
     time.sleep(0.2)
     assert _ask(proc) == "received" and proc.poll() is None
     proc.send_signal(signal.SIGTERM)  # within the debounce window: the same event delivered twice

@@ -331,3 +331,29 @@ def test_a_case_that_runs_out_of_memory_is_one_failed_case_and_the_rest_is_score
     expected = f"{failed}: out of memory on cpu (CUDA out of memory. Tried to allocate 9.00 GiB); a smaller"
     assert summary["errors"][0].startswith(expected) and f"error: {expected}" in err, err
     assert not (out / "predictions" / f"{failed}.nii.gz").exists() and len(calls) == 2
+
+
+def test_a_test_split_without_labels_writes_predictions_only_and_train_scores_the_rest_of_the_list(
+    weights, tiny_dataset, tmp_path
+):
+    """README: `test` scores against labelsTs/ where those files exist, else writes predictions only; `train`
+    takes the training list's cases that validation does not hold."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    shutil.rmtree(data / "labelsTs")
+    torch.save(weights, tmp_path / "w.pt")
+    common = ["--checkpoint", str(tmp_path / "w.pt"), "--data-dir", str(data), "--device", "cpu", "--window", "16"]
+    out = tmp_path / "test"
+    assert evaluate.main([*common, "--split", "test", "--out-dir", str(out)]) == 0
+    assert sorted(p.name for p in (out / "predictions").glob("*.nii.gz")) == ["synth_006.nii.gz", "synth_007.nii.gz"]
+    for name in ("synth_006", "synth_007"):
+        pred, image = nib.load(out / "predictions" / f"{name}.nii.gz"), nib.load(data / "imagesTs" / f"{name}.nii.gz")
+        assert pred.shape == image.shape[:3] and np.allclose(pred.affine, image.affine)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_cases"] == 2 and summary["num_scored"] == 0 and not summary["errors"]
+
+    train, val = tmp_path / "train", tmp_path / "val"
+    assert evaluate.main([*common, "--split", "train", "--out-dir", str(train)]) == 0
+    assert evaluate.main([*common, "--split", "val", "--out-dir", str(val)]) == 0
+    scored = [{r["case"] for r in csv.DictReader((d / "metrics.csv").read_text().splitlines())} for d in (train, val)]
+    assert len(scored[0]) == 5 and len(scored[1]) == 1 and not scored[0] & scored[1], scored

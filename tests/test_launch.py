@@ -298,8 +298,10 @@ def test_a_hung_nvidia_smi_stops_the_launch_with_a_message(env, tmp_path):
     assert result.returncode == 2 and time.monotonic() - began < 20
     assert "nvidia-smi -L failed or did not answer within 1 s" in result.stderr
     assert started(tmp_path) is None and started(tmp_path, "python") is None
-    bad = run(["bash", "launch.sh", "0"], env={**env, "NVIDIA_SMI_TIMEOUT": "soon"}, timeout=30)
-    assert bad.returncode == 2 and "NVIDIA_SMI_TIMEOUT must be a number of seconds, got 'soon'" in bad.stderr
+    for value in ("soon", "0"):  # 0: `timeout 0` waits for ever, so the hung driver hung the launch
+        bad = run(["bash", "launch.sh", "0"], env={**env, "NVIDIA_SMI_TIMEOUT": value}, timeout=30)
+        message = f"NVIDIA_SMI_TIMEOUT must be a positive number of seconds, got '{value}'"
+        assert bad.returncode == 2 and message in bad.stderr, value
 
 
 def test_one_gpu_id_starts_one_process_on_that_card(env, tmp_path):

@@ -9,7 +9,7 @@ ones), every rank loads it onto its own device into the unwrapped model, before 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,10 +97,13 @@ def follow_checkpoint(cfg: TrainConfig, checkpoint: dict[str, Any] | None) -> Tr
     return dataclasses.replace(cfg, deep_supervision="on" if supervised else "off")
 
 
-def check_resumable(rt: Runtime, checkpoint: dict[str, Any], model_args: dict[str, Any], source: Path) -> None:
+def check_resumable(
+    rt: Runtime, checkpoint: dict[str, Any], model_args: dict[str, Any], source: Path, class_names: Sequence[str]
+) -> None:
     """Refuse (CheckpointError naming every field) a checkpoint this run cannot continue; warn of settings
-    that changed."""
-    changed = check_compatible(checkpoint, dataclasses.asdict(rt.cfg), model_args, rt.world_size, source)
+    that changed (the dataset's class names among them)."""
+    config = dataclasses.asdict(rt.cfg)
+    changed = check_compatible(checkpoint, config, model_args, rt.world_size, source, class_names)
     if changed:
         get_logger().warning(f"resuming with changed settings: {', '.join(changed)}")
 
@@ -131,9 +134,12 @@ def find_resume(resume: str, out_dir: str | Path, device, warn: Callable[[str], 
 
 
 def check_compatible(
-    state: dict[str, Any], config: dict[str, Any], model_args: dict[str, Any], world_size: int, source: Path
-) -> list[str]:
-    """Raise CheckpointError naming every field that forbids continuing; return the fields that changed."""
+    state: dict[str, Any], config: dict[str, Any], model_args: dict[str, Any], world_size: int, source: Path,
+    class_names: Sequence[str] | None = None,
+) -> list[str]:  # fmt: skip
+    """Raise CheckpointError naming every field that forbids continuing; return the fields that changed, and
+    the class names where the dataset names its classes otherwise than the checkpoint (the same number: a
+    renamed class trains on as the same output channel, so it is a warning, as in evaluate.py)."""
     saved = state["config"]
     errors = []
     for name in ("in_channels", "num_classes"):
@@ -155,7 +161,11 @@ def check_compatible(
         raise CheckpointError(f"cannot resume from {source}: the configuration differs in " + "; ".join(errors))
     ignored = set(FREE_FIELDS) | set(STRICT_FIELDS)  # (a changed position field mid-epoch was refused above)
     # options newer than the checkpoint are not "changed": it was trained before they existed
-    return sorted(k for k in config if k not in ignored and k in saved and _plain(saved[k]) != _plain(config[k]))
+    changed = sorted(k for k in config if k not in ignored and k in saved and _plain(saved[k]) != _plain(config[k]))
+    before = state.get("class_names")
+    if class_names is not None and before is not None and list(before) != list(class_names):
+        changed.append(f"class names (checkpoint {list(before)}, now {list(class_names)})")
+    return changed
 
 
 def _plain(value: Any) -> Any:

@@ -47,7 +47,7 @@ def preflight(cfg: TrainConfig) -> int:
         resolved = resolve_config(cfg, run, info)
         if found is not None:
             args = run.plan.model_args(run.spec.in_channels, run.spec.num_classes)
-            check_compatible(checkpoint, dataclasses.asdict(resolved), args, world, found[0])
+            check_compatible(checkpoint, dataclasses.asdict(resolved), args, world, found[0], run.spec.class_names)
         # last, so that a job refused for its data leaves no folder behind
         writable_folder(os.path.join(cfg.out_dir, "logs"), f"--out-dir {cfg.out_dir}")
         unguarded = lock_run_folder(cfg.out_dir, wait_s=1.0, keep=False)  # no other job trains into it
