@@ -208,3 +208,21 @@ def test_a_resume_names_classes_the_dataset_renamed_and_refuses_another_number_o
     ]
     with pytest.raises(CheckpointError, match=r"num_classes \(checkpoint 3, now 2\)"):
         check_compatible(state, config, {**args, "num_classes": 2}, 1, Path("last.pt"), ["background", "organ"])
+
+
+def test_weights_with_nan_or_inf_are_never_written(tmp_path):
+    """README: no checkpoint with NaN or infinite weights is ever written; the refusal comes before any
+    collective or file, on every rank alike (each checks its own copy of the same weights)."""
+    from types import SimpleNamespace
+
+    from unet3d.training.checkpointing import save_checkpoints
+    from unet3d.training.control import TrainingError
+
+    for bad in (float("nan"), float("inf")):
+        model = UNet3D(1, 2, (4, 8))
+        with torch.no_grad():
+            next(model.parameters())[0].view(-1)[0] = bad
+        rt = SimpleNamespace(out_dir=tmp_path, device=torch.device("cpu"))
+        with pytest.raises(TrainingError, match="the weights hold NaN or inf values: refusing to write a checkpoint"):
+            save_checkpoints(rt, SimpleNamespace(model=model), is_best=True)
+    assert not list(tmp_path.rglob("*.pt"))

@@ -334,7 +334,7 @@ def test_a_case_that_runs_out_of_memory_is_one_failed_case_and_the_rest_is_score
 
 
 def test_a_test_split_without_labels_writes_predictions_only_and_train_scores_the_rest_of_the_list(
-    weights, tiny_dataset, tmp_path
+    weights, tiny_dataset, tmp_path, capsys
 ):
     """README: `test` scores against labelsTs/ where those files exist, else writes predictions only; `train`
     takes the training list's cases that validation does not hold."""
@@ -357,3 +357,7 @@ def test_a_test_split_without_labels_writes_predictions_only_and_train_scores_th
     assert evaluate.main([*common, "--split", "val", "--out-dir", str(val)]) == 0
     scored = [{r["case"] for r in csv.DictReader((d / "metrics.csv").read_text().splitlines())} for d in (train, val)]
     assert len(scored[0]) == 5 and len(scored[1]) == 1 and not scored[0] & scored[1], scored
+    (held,) = scored[1]
+    (data / "labelsTr" / f"{held}.nii.gz").unlink()  # a training-list label that is missing: one failed case
+    assert evaluate.main([*common, "--split", "val", "--out-dir", str(tmp_path / "val2")]) == 1
+    assert f"error: {held}: " in capsys.readouterr().err

@@ -545,3 +545,21 @@ def test_labels_the_crop_would_remove_are_named_in_the_pre_flight(tiny_dataset, 
     assert "1 training case(s)" in out, "only the damaged case"
     assert preflight(parse_args([*args, "--prepare-only", "--crop", "none"])) == 0
     assert "non-zero box" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("geometry", ["isotropic", "axial", "sagittal"])
+def test_each_single_protocol_geometry_writes_every_case_in_its_protocol(geometry, tmp_path):
+    """`--synthetic-geometry isotropic|axial|sagittal`: every training and test image (and its label) in the
+    axis codes and voxel size its protocol's name gives."""
+    import nibabel as nib
+
+    from data.synthetic import PROTOCOLS, SINGLE_PROTOCOLS, write_synthetic_dataset
+
+    protocol = PROTOCOLS[SINGLE_PROTOCOLS.index(geometry)]
+    data = write_synthetic_dataset(tmp_path / "d", 2, 16, 0, num_test=1, geometry=geometry)
+    files = sorted(data.glob("*Tr/*.nii.gz")) + sorted(data.glob("*Ts/*.nii.gz"))
+    assert len(files) == 6
+    for path in files:
+        nii = nib.load(path)
+        assert "".join(nib.aff2axcodes(nii.affine)) == protocol.name[:3], path
+        np.testing.assert_allclose(nii.header.get_zooms()[:3], protocol.spacing, rtol=1e-6, err_msg=str(path))
