@@ -137,6 +137,20 @@ def test_outputs_for_a_bare_state_dict_on_the_test_split(weights, tiny_dataset, 
     picture = Image.open(out / "overview.png")
     assert picture.mode == "RGB" and picture.width > 3 * 16
 
+    # bf16 and channels-last (as on a GPU, here on the CPU), one case in the overview, probabilities for a split
+    other = tmp_path / "eval_bf16"
+    more = ["--amp", "bf16", "--memory-format", "channels_last", "--overview-cases", "1", "--save-probabilities"]
+    assert evaluate.main([*argv[:-8], "--out-dir", str(other), *argv[-6:], *more]) == 0
+    summary = json.loads((other / "summary.json").read_text())
+    inference = summary["inference"]
+    assert (inference["amp"], inference["memory_format"]) == ("torch.bfloat16", "channels_last"), inference
+    assert Image.open(other / "overview.png").height < picture.height, "one row instead of two"
+    for name in ("synth_006", "synth_007"):
+        with np.load(other / "predictions" / f"{name}.npz") as saved:
+            probs = {k: saved[k] for k in saved.files}
+        sizes = nib.load(tiny_dataset / "imagesTs" / f"{name}.nii.gz").shape
+        assert any(v.dtype == np.float16 and v.shape[-3:] == sizes for v in probs.values()), (name, probs.keys())
+
 
 def broken_label(array: np.ndarray, affine: np.ndarray, how: str) -> nib.Nifti1Image:
     """A test label that training would refuse: another shape, shifted 5 mm in world space, or an undeclared value."""

@@ -60,6 +60,8 @@ def test_a_balanced_run_says_nothing_and_logs_every_step_and_a_profile(shared, t
     assert [s for s, _ in tags["train/loss_step"]] == list(range(1, 2 * STEPS + 1)), "one point per step"
     for tag in ("time/data_wait_frac", "time/sync_wait_frac", "time/compute_s", "time/compute_s_max"):
         assert [s for s, _ in tags[tag]] == [1, 2], tag
+    for tag in ("time/epoch_s", "time/samples_per_s"):  # README's TensorBoard table
+        assert [s for s, _ in tags[tag]] == [1, 2] and all(v > 0 for _, v in tags[tag]), tag
     traces = list((out / "profile").glob("*.pt.trace.json"))
     assert len(traces) == 1 and traces[0].stat().st_size > 1000, "rank 0's trace, for TensorBoard or Perfetto"
 
