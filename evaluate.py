@@ -167,6 +167,17 @@ def segmentation_settings(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def shown_prediction(probs: torch.Tensor, predictor: Predictor) -> torch.Tensor | np.ndarray:
+    """What the overview draws of `probs` (K, X, Y, Z) in the planned space: the middle plane's labels (X, Y),
+    post-processed as the saved and scored labels are, whose rules need the whole volume (on the host, where
+    the whole-volume labels cannot take the GPU's memory from the next case)."""
+    z = probs.shape[-1] // 2
+    if not predictor.rules:
+        return probs[..., z].argmax(0)
+    labels = probs.cpu().argmax(0).numpy().astype(np.uint8)
+    return postprocess.apply(labels, predictor.rules, predictor.class_names)[..., z]
+
+
 def output_dir(args: argparse.Namespace) -> Path:
     if args.out_dir:
         return Path(args.out_dir)
@@ -351,7 +362,7 @@ def predict_cases(args, predictor: Predictor, cases, owner, out: Path, first: bo
                 rows.append({"case": case.name, "class": k, "class_name": predictor.class_names[k], **row})
             caption += f"  Dice {np.mean([r['dice'] for r in metrics]):.3f}"
         if first and len(overview) < args.overview_cases:
-            planes = middle_planes(planned.image, planned.label, probs.argmax(0))
+            planes = middle_planes(planned.image, planned.label, shown_prediction(probs, predictor))
             overview.append(overlay(Preview(*planes, planned.geometry.planned_spacing[:2], caption)))
         seconds = time.perf_counter() - began
         done.append({"case": case.name, "seconds": seconds})

@@ -17,7 +17,7 @@ import torch
 
 import evaluate
 from data.synthetic import folder_name
-from tests.helpers import run
+from tests.helpers import REPO, run
 
 # The defaults (24 synthetic cases of 64 x 64 x 40, the CPU network and patch), with one short epoch.
 SHORT = ("--epochs", "1", "--samples-per-epoch", "12", "--num-workers", "0")
@@ -76,8 +76,21 @@ def test_single_process_without_a_launcher(shared, tmp_path):
 
 @pytest.mark.parametrize("world", [1, 3, 6])
 def test_launch_cpu_n_trains_and_evaluate_reproduces_best(shared, tmp_path, world):
+    """One process also walks the quick start's default folders (runs/default, runs/synthetic and the cache
+    under runs/cache, relative to where it is started), here from an empty folder beside the data."""
     out = tmp_path / "run"
-    result = run(["bash", "launch.sh", f"cpu:{world}", *options(shared, out)], timeout=300)
+    if world == 1:
+        (tmp_path / "runs").mkdir()
+        (tmp_path / "runs" / "synthetic").symlink_to(shared / "syn", target_is_directory=True)
+        command = ["bash", str(REPO / "launch.sh"), "cpu:1", *SHORT]
+        result = run(command, timeout=300, cwd=tmp_path)
+        out = tmp_path / "runs" / "default"
+        assert "checkpoints/best.pt" in result.stdout and (out / "tensorboard").is_dir(), result.stdout[-2000:]
+        data = (shared / "syn" / folder_name(24, 64, 0)).resolve()
+        caches = [p.name for p in (tmp_path / "runs" / "cache").iterdir()]
+        assert len(caches) == 1 and caches[0].startswith(f"{data.name}-"), caches
+    else:
+        result = run(["bash", "launch.sh", f"cpu:{world}", *options(shared, out)], timeout=300)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     best = check_trained(out, result.stdout, world)
     # with 6 ranks, rank 5 holds no validation case; it joined every collective, or the run would hang

@@ -299,3 +299,19 @@ def test_a_window_larger_than_the_case_is_cut_to_it_but_never_below_the_training
     assert window((24, 8, 1000), (30, 21, 9)) == (24, 8, 12), "a window smaller than the case is kept"
     assert window((1000, 1000, 1000), (10, 50, 3), config=False) == (12, 52, 4), "a bare state dict: the case"
     assert window(None, (200, 200, 200)) == (16, 16, 8), "no --window: the training patch, untouched"
+
+
+def test_the_overview_draws_the_prediction_as_saved_and_scored_post_processing_included():
+    """With --postprocess keeping the largest organ component, a stray blob in the middle plane was drawn in
+    overview.png although the saved labels and the Dice had it removed."""
+    from types import SimpleNamespace
+
+    probs = torch.zeros(2, 12, 12, 9)
+    probs[0] = 1.0
+    probs[:, 1:7, 1:7, 1:8] = torch.tensor([0.0, 1.0])[:, None, None, None]  # the organ, across the middle
+    probs[:, 9:11, 9:11, 4] = torch.tensor([0.0, 1.0])[:, None, None]  # a stray blob on the middle plane
+    plain = evaluate.shown_prediction(probs, SimpleNamespace(rules={}, class_names=["background", "organ"]))
+    assert plain.shape == (12, 12) and int(plain[9, 9]) == 1 and int(plain[3, 3]) == 1
+    rules = {"largest_component": ["organ"]}
+    kept = evaluate.shown_prediction(probs, SimpleNamespace(rules=rules, class_names=["background", "organ"]))
+    assert kept.shape == (12, 12) and kept[9, 9] == 0 and kept[3, 3] == 1, "as saved: the blob removed"

@@ -96,6 +96,13 @@ def loss_steps(out: Path) -> list[int]:
     return [e.step for e in acc.Scalars("train/loss")]
 
 
+def step_losses(out: Path) -> list[int]:
+    """The steps of train/loss_step, which the run keeps in a folder of its own (purged by steps)."""
+    acc = EventAccumulator(str(out / "tensorboard" / "steps"))
+    acc.Reload()
+    return [e.step for e in acc.Scalars("train/loss_step")]
+
+
 def checkpoint(out: Path, name: str = "last.pt") -> dict:
     return torch.load(out / "checkpoints" / name, map_location="cpu", weights_only=True)
 
@@ -114,6 +121,7 @@ def test_sigkill_of_one_rank_mid_epoch_resumes_and_completes(shared, tmp_path):
     for epoch in (1, 2):  # epoch 2 is trained in full after the restart
         assert stdout.count(f"epoch {epoch}/2:") == 1, f"epoch {epoch} must complete exactly once"
     assert loss_steps(out) == [1, 2], "TensorBoard: no duplicated or backwards steps"
+    assert step_losses(out) == list(range(1, 2 * EPOCH_STEPS + 1)), "every step once: epoch 1's kept"
     assert checkpoint(out)["epoch"] == 2
     assert "torchrun restart 1" in (out / "logs" / "rank1.log").read_text()
 
@@ -153,6 +161,7 @@ def test_sigterm_stops_all_ranks_and_resuming_equals_an_uninterrupted_run(shared
     for key, value in a["model"].items():
         torch.testing.assert_close(b["model"][key], value, rtol=1e-6, atol=1e-7, msg=key)
     assert loss_steps(out) == [1, 2]
+    assert step_losses(out) == list(range(1, 2 * EPOCH_STEPS + 1)), "the stopped epoch's steps, then the rest"
 
 
 @pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM to launch.sh"])

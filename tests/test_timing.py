@@ -28,9 +28,13 @@ def launch(shared: Path, out: Path, *extra: str, env: dict | None = None):
 
 
 def scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
-    acc = EventAccumulator(str(out / "tensorboard"))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    """Every scalar of the run's TensorBoard folder and of its steps folder (train/loss_step)."""
+    found = {}
+    for folder in (out / "tensorboard", out / "tensorboard" / "steps"):
+        acc = EventAccumulator(str(folder))
+        acc.Reload()
+        found.update({tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]})
+    return found
 
 
 def test_a_rank_with_slow_data_is_named_with_its_data_wait(shared, tmp_path):

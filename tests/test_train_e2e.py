@@ -14,6 +14,7 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import run
+from unet3d.inference.pictures import class_colours
 
 CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "best_metric", "config"}
 
@@ -103,6 +104,8 @@ def test_tensorboard_holds_a_validation_overlay(trained):
     other = picture[-10:, picture.shape[1] // 3 : 2 * picture.shape[1] // 3].astype(int)
     assert picture.shape[0] > picture.shape[1] // 3, "a caption above the panels"
     assert panel.shape == other.shape
+    seen = {tuple(int(v) for v in p) for p in picture[: 2 * 18].reshape(-1, picture.shape[-1])[:, :3]}
+    assert {tuple(int(v) for v in c) for c in class_colours(3)[1:]} <= seen, "a legend of the classes on top"
 
 
 def test_evaluate_reproduces_the_runs_own_validation(trained):

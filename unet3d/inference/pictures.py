@@ -8,8 +8,10 @@ is in millimetres.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -32,14 +34,36 @@ PALETTE = np.array(
     dtype=np.float32,
 )
 ALPHA = 0.45
-GOLDEN = 0.618033988749895  # hue step of the colours after the palette's: never two alike, however many classes
+GOLDEN = 0.618033988749895  # hue step of the colours beyond the grid's (over 176 classes)
+GRID = np.arange(0, 256, 51)  # the RGB levels the colours after the palette's are taken from
+
+
+@lru_cache(maxsize=1)
+def _grid_order() -> np.ndarray:
+    """The RGB grid's bright, coloured entries (not dark, not grey: an overlay must not look like the grey
+    image under it), each next one the farthest from the palette's and those before it: with the palette,
+    120 classes are at least 51 apart (golden-ratio hues at one saturation put class 17 within 11 of
+    class 7)."""
+    grid = [c for c in itertools.product(GRID, repeat=3) if max(c) >= 153 and max(c) - min(c) >= 102]
+    grid = np.array(grid, np.float32)
+    nearest = np.linalg.norm(grid[:, None] - PALETTE[None, 1:], axis=2).min(axis=1)
+    order = []
+    for _ in range(len(grid)):
+        i = int(np.argmax(nearest))
+        order.append(grid[i])
+        nearest = np.minimum(nearest, np.linalg.norm(grid - grid[i], axis=1))
+        nearest[i] = -1.0  # taken
+    return np.stack(order)
 
 
 def class_colours(num_classes: int) -> np.ndarray:
-    """(num_classes, 3) float32 RGB: the palette's first, then hues spread by the golden ratio (class 0 unused),
-    so a dataset of 15 or 100 organs gets as many distinct colours, none of them black."""
+    """(num_classes, 3) float32 RGB, class k's colour the same whatever num_classes is: the palette's first,
+    then the RGB grid's farthest-first (`_grid_order`), then hues spread by the golden ratio; class 0 is
+    unused (transparent), and no class is black, so a dataset of 15 or 100 organs gets distinct colours."""
+    grid = _grid_order()
     colours = [PALETTE[k] for k in range(min(num_classes, len(PALETTE)))]
-    for k in range(len(PALETTE), num_classes):
+    colours += list(grid[: max(0, num_classes - len(PALETTE))])
+    for k in range(len(PALETTE) + len(grid), num_classes):
         hue = (k * GOLDEN) % 1.0
         colours.append(np.array(_hsv_to_rgb(hue, 0.75, 0.95), np.float32) * 255)
     return np.round(np.stack(colours)).astype(np.float32)
@@ -73,14 +97,15 @@ def middle_planes(
     """The middle slice along the last axis of the first image channel, the reference and the prediction.
 
     Args:
-        image: (C, X, Y, Z) or (X, Y, Z); ref, pred: (X, Y, Z) labels (pred may be a tensor on any device).
+        image: (C, X, Y, Z) or (X, Y, Z); ref: (X, Y, Z) labels; pred: (X, Y, Z) labels or their middle plane
+            (X, Y) already, a NumPy array or a tensor on any device.
 
     Returns:
         (X, Y) float32, uint8 or None, uint8 planes: all a picture needs, a few hundred KB at most.
     """
     volume = image[0] if image.ndim == 4 else image
     z = volume.shape[-1] // 2
-    plane = pred[..., z]
+    plane = pred if pred.ndim == 2 else pred[..., z]
     plane = plane.cpu().numpy() if isinstance(plane, torch.Tensor) else np.asarray(plane)
     return (
         np.asarray(volume[..., z], dtype=np.float32),
@@ -113,21 +138,28 @@ def _physical(panel: np.ndarray, spacing: Sequence[float]) -> np.ndarray:
 
 
 def overlay(preview: Preview) -> np.ndarray:
-    """One row: image | reference overlay | prediction overlay, under the caption, as (H, W, 3) uint8.
+    """One row: the caption, each panel's title over it, then image | reference overlay | prediction overlay,
+    as (H, W, 3) uint8. The titles belong to the row: cases of other shapes have panels of other widths.
 
     Without a reference its panel is the plain image.
     """
     gray = _gray(preview.image)
     panels = [gray, _blend(gray, preview.ref) if preview.ref is not None else gray, _blend(gray, preview.pred)]
-    row = np.concatenate([_physical(p, preview.spacing) for p in panels], axis=1)
-    canvas = Image.new("RGB", (row.shape[1], row.shape[0] + TEXT + 4))
-    canvas.paste(Image.fromarray(row), (0, TEXT + 4))
-    ImageDraw.Draw(canvas).text((4, 2), preview.caption, fill=(255, 255, 255), font=ImageFont.load_default())
+    drawn = [_physical(p, preview.spacing) for p in panels]
+    row = np.concatenate(drawn, axis=1)
+    canvas = Image.new("RGB", (row.shape[1], row.shape[0] + 2 * (TEXT + 4)))
+    canvas.paste(Image.fromarray(row), (0, 2 * (TEXT + 4)))
+    draw, font = ImageDraw.Draw(canvas), ImageFont.load_default()
+    draw.text((4, 2), preview.caption, fill=(255, 255, 255), font=font)
+    x = 0
+    for title, panel in zip(COLUMNS, drawn):
+        draw.text((x + 4, TEXT + 6), title, fill=(200, 200, 200), font=font)
+        x += panel.shape[1]
     return np.asarray(canvas)
 
 
-def _header(width: int, panel_width: int, class_names: Sequence[str]) -> np.ndarray:
-    """The column titles over the panels and a legend of the class colours, on as many lines as it needs."""
+def legend(width: int, class_names: Sequence[str]) -> np.ndarray:
+    """(H, width, 3) uint8: a swatch and the name of every foreground class, on as many lines as it needs."""
     font = ImageFont.load_default()
     measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     colours = class_colours(len(class_names))
@@ -138,22 +170,25 @@ def _header(width: int, panel_width: int, class_names: Sequence[str]) -> np.ndar
             x, line = 4, line + 1
         entries.append((x, line, tuple(int(c) for c in colours[k]), name))
         x += size
-    canvas = Image.new("RGB", (width, (line + 2) * (TEXT + 4)))
+    canvas = Image.new("RGB", (width, (line + 1) * (TEXT + 4) + 4))
     draw = ImageDraw.Draw(canvas)
-    for i, title in enumerate(COLUMNS):
-        draw.text((i * panel_width + 4, 2), title, fill=(255, 255, 255), font=font)
     for x, line, colour, name in entries:
-        y = (line + 1) * (TEXT + 4)
+        y = line * (TEXT + 4) + 2
         draw.rectangle((x, y + 3, x + 10, y + 11), fill=colour)
         draw.text((x + 14, y + 1), name, fill=(255, 255, 255), font=font)
     return np.asarray(canvas)
 
 
-def write_overview(rows: Sequence[np.ndarray], path: str | Path, class_names: Sequence[str]) -> None:
-    """Column titles and a class legend, then the `overlay` rows stacked, into a PNG file."""
+def picture(rows: Sequence[np.ndarray], class_names: Sequence[str]) -> np.ndarray:
+    """(H, W, 3) uint8: the class legend over the `overlay` rows, stacked (TensorBoard's val/overlay, and
+    overview.png)."""
     if not rows:
         raise ValueError("no rows to draw")
     width = max(r.shape[1] for r in rows)
-    header = _header(width, rows[0].shape[1] // 3, class_names)
     padded = [np.pad(r, ((0, 4), (0, width - r.shape[1]), (0, 0))) for r in rows]
-    Image.fromarray(np.concatenate([header, *padded], axis=0)).save(path)
+    return np.concatenate([legend(width, class_names), *padded], axis=0)
+
+
+def write_overview(rows: Sequence[np.ndarray], path: str | Path, class_names: Sequence[str]) -> None:
+    """The class legend, then the `overlay` rows stacked, into a PNG file."""
+    Image.fromarray(picture(rows, class_names)).save(path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from unet3d.inference.pictures import overlay
+from unet3d.inference.pictures import overlay, picture
 from unet3d.training.checkpointing import BEST, LAST, checkpoint_dir
 from unet3d.training.config import UNTIL_TIME_LIMIT
 from unet3d.training.epoch import EpochStats
@@ -22,14 +22,21 @@ class Reporter:
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step drops what a killed run logged past the checkpoint it resumes from, so TensorBoard gets
-        # no duplicated or backwards steps
-        self.writer = SummaryWriter(str(rt.out_dir / "tensorboard"), purge_step=state.epoch + 1)
+        # no duplicated or backwards steps. TensorBoard purges every tag of a folder at or past that step, so
+        # the loss of each step (counted in steps, not epochs) has a folder of its own: one purge for both
+        # cut the steps of every epoch but the first
+        board = rt.out_dir / "tensorboard"
+        self.writer = SummaryWriter(str(board), purge_step=state.epoch + 1)
+        first_step = state.epoch * rt.steps_per_epoch + state.partial_epoch.step + 1  # the next to be logged
+        self.steps = SummaryWriter(str(board / STEPS_FOLDER), purge_step=first_step)
         self.epochs = rt.cfg.epochs
         self.class_names = list(class_names)
         self.said: set[str] = set()
 
     def epoch(self, stats: EpochStats, val: ValResult | None, is_best: bool) -> None:
-        """The epoch line; TensorBoard for every completed epoch and every validated one; diagnoses."""
+        """The epoch line; TensorBoard for every completed epoch and every validated one, and the loss of
+        every step trained (a stopped epoch's too: the resumed run goes on after them); diagnoses."""
+        log_steps(self.steps, stats)
         if stats.stopped is None or val is not None:
             log_epoch(self.writer, stats, val, self.class_names)
         log = get_logger()
@@ -42,6 +49,7 @@ class Reporter:
 
     def close(self) -> None:
         self.writer.close()
+        self.steps.close()
 
 
 def epoch_summary(
@@ -69,12 +77,20 @@ def epoch_summary(
     return line
 
 
-def log_epoch(writer, stats: EpochStats, val: ValResult | None, class_names: Sequence[str]) -> None:
-    """TensorBoard: the loss of every step and the epoch's training scalars, where the time went; the
-    validation Dice and a mid-slice overlay when validated (the first validation case of rank 0)."""
-    done = stats.epoch
+STEPS_FOLDER = "steps"  # under OUT/tensorboard: train/loss_step, by global step
+
+
+def log_steps(writer, stats: EpochStats) -> None:
+    """TensorBoard (the steps folder): the loss of every step of the epoch trained in this run."""
     for step, loss in stats.step_losses:
         writer.add_scalar("train/loss_step", loss, step)
+    writer.flush()
+
+
+def log_epoch(writer, stats: EpochStats, val: ValResult | None, class_names: Sequence[str]) -> None:
+    """TensorBoard: the epoch's training scalars, where the time went; the validation Dice and a mid-slice
+    overlay when validated (the first validation case of rank 0)."""
+    done = stats.epoch
     writer.add_scalar("train/loss", stats.loss, done)
     writer.add_scalar("train/lr", stats.lr, done)
     writer.add_scalar("time/epoch_s", stats.seconds, done)
@@ -86,7 +102,7 @@ def log_epoch(writer, stats: EpochStats, val: ValResult | None, class_names: Seq
             writer.add_scalar(f"val/dice_{name}", value, done)
         writer.add_scalar("val/mean_dice", val.mean_dice, done)
         if val.preview is not None:
-            writer.add_image("val/overlay", overlay(val.preview), done, dataformats="HWC")
+            writer.add_image("val/overlay", picture([overlay(val.preview)], class_names), done, dataformats="HWC")
     writer.flush()
 
 
