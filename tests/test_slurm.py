@@ -156,6 +156,16 @@ def test_without_an_end_time_the_limit_is_what_squeue_says_is_left(cluster, left
         assert argv == ["0", "--out-dir", "runs/unet3d", "--time-limit", str(expected), "--time-limit", "100"]
 
 
+def test_an_end_time_a_year_ahead_is_a_job_without_a_time_limit(cluster):
+    """SLURM gives a job without a time limit an end time a year ahead: a --time-limit of a year would stretch
+    the learning-rate schedule over it, so the job trains as for an unknown limit."""
+    year = str(int(time.time()) + 365 * 86400)
+    result = sbatch(cluster, [{"CUDA_VISIBLE_DEVICES": "0"}] * 2, "--epochs", "3", SLURM_JOB_END_TIME=year)
+    assert result.returncode == 0, result.stderr
+    assert recorded(cluster, "launch-0")["argv"] == ["0", "--out-dir", "runs/unet3d", "--epochs", "3"]
+    assert "time limit is unknown (SLURM_JOB_END_TIME is 364 days away, as for a job without one)" in result.stderr
+
+
 def test_a_job_too_short_for_its_margin_is_refused(cluster):
     result = sbatch(cluster, [{"CUDA_VISIBLE_DEVICES": "0"}] * 2, SLURM_JOB_END_TIME=str(int(time.time()) + 300))
     assert result.returncode == 2 and "too little for 10 minutes' margin" in result.stderr
