@@ -130,6 +130,8 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
                     val = run_validation(rt, state.model, val_cases, data.spec.num_classes, control)
                     given_up = val is None  # a stop signal came during it: the epoch is kept, not validated
                 is_best = state.record(val.mean_dice if val is not None else None)
+                if rt.is_main:
+                    reporter.step_losses(stats)
                 save_checkpoints(rt, state, is_best)
                 if rt.is_main:
                     reporter.epoch(stats, val, is_best)

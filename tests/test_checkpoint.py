@@ -226,3 +226,14 @@ def test_weights_with_nan_or_inf_are_never_written(tmp_path):
         with pytest.raises(TrainingError, match="the weights hold NaN or inf values: refusing to write a checkpoint"):
             save_checkpoints(rt, SimpleNamespace(model=model), is_best=True)
     assert not list(tmp_path.rglob("*.pt"))
+
+
+def test_trained_steps_of_a_checkpoint_from_before_they_were_counted():
+    """TensorBoard numbers steps across runs by `trained_steps`; a checkpoint without it had its epochs at its
+    own steps per epoch (samples / (batch x world size)), whatever the resumed run's are."""
+    from unet3d.training.state import trained_steps
+
+    old = {"epoch": 3, "config": {"samples_per_epoch": 64, "batch_size": 2}, "world_size": 2}
+    assert trained_steps(old) == 48
+    assert trained_steps({**old, "trained_steps": 50}) == 50
+    assert trained_steps({"epoch": 2, "config": {}}) == 0, "format 1 without the fields: from 0, no crash"

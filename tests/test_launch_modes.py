@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import evaluate
 from data.synthetic import folder_name
@@ -72,6 +73,10 @@ def test_single_process_without_a_launcher(shared, tmp_path):
     assert "was written by 1 rank(s), this run has 2: the random generators start from the seed" in more.stdout
     last = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
     assert last["epoch"] == 2 and last["world_size"] == 2 and len(last["rng"]) == 2
+    # TensorBoard's steps go on from the 6 steps of one process, though two ranks take 3 per epoch
+    steps = EventAccumulator(str(out / "tensorboard" / "steps"))
+    steps.Reload()
+    assert [e.step for e in steps.Scalars("train/loss_step")] == list(range(1, 10)) and last["trained_steps"] == 9
 
 
 @pytest.mark.parametrize("world", [1, 3, 6])
@@ -86,7 +91,7 @@ def test_launch_cpu_n_trains_and_evaluate_reproduces_best(shared, tmp_path, worl
         result = run(command, timeout=300, cwd=tmp_path)
         out = tmp_path / "runs" / "default"
         assert "checkpoints/best.pt" in result.stdout and (out / "tensorboard").is_dir(), result.stdout[-2000:]
-        data = (shared / "syn" / folder_name(24, 64, 0)).resolve()
+        data = (shared / "syn" / folder_name(24, 64, 0, "uniform")).resolve()
         caches = [p.name for p in (tmp_path / "runs" / "cache").iterdir()]
         assert len(caches) == 1 and caches[0].startswith(f"{data.name}-"), caches
     else:

@@ -112,7 +112,7 @@ def train_one_epoch(
         scaler.update()
         timer.step_done(marks)
         if math.isfinite(verdict.loss):
-            step_losses.append((epoch * steps + step + 1, verdict.loss))
+            step_losses.append((state.trained_steps + step + 1, verdict.loss))  # counted across runs
         if control.profiler is not None:
             control.profiler.step()
         bar.update(1)
@@ -144,6 +144,7 @@ def train_one_epoch(
     )
     if stopped is None:
         state.epoch, state.partial_epoch = epoch + 1, PartialEpoch()
+        state.trained_steps += steps
     else:
         state.partial_epoch = PartialEpoch(done, loss_total, samples, seconds)
     return stats

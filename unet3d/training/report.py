@@ -27,16 +27,21 @@ class Reporter:
         # cut the steps of every epoch but the first
         board = rt.out_dir / "tensorboard"
         self.writer = SummaryWriter(str(board), purge_step=state.epoch + 1)
-        first_step = state.epoch * rt.steps_per_epoch + state.partial_epoch.step + 1  # the next to be logged
+        # the next step to be logged, counted across runs: a resumed run's steps per epoch may differ
+        first_step = state.trained_steps + state.partial_epoch.step + 1
         self.steps = SummaryWriter(str(board / STEPS_FOLDER), purge_step=first_step)
         self.epochs = rt.cfg.epochs
         self.class_names = list(class_names)
         self.said: set[str] = set()
 
-    def epoch(self, stats: EpochStats, val: ValResult | None, is_best: bool) -> None:
-        """The epoch line; TensorBoard for every completed epoch and every validated one, and the loss of
-        every step trained (a stopped epoch's too: the resumed run goes on after them); diagnoses."""
+    def step_losses(self, stats: EpochStats) -> None:
+        """TensorBoard: the loss of every step the epoch trained (a stopped epoch's too: the resumed run goes
+        on after them). Before the epoch's checkpoint: a run killed between the two would lose them, where
+        one killed before the checkpoint has them purged by the run that resumes from the one before."""
         log_steps(self.steps, stats)
+
+    def epoch(self, stats: EpochStats, val: ValResult | None, is_best: bool) -> None:
+        """The epoch line; TensorBoard for every completed epoch and every validated one; diagnoses."""
         if stats.stopped is None or val is not None:
             log_epoch(self.writer, stats, val, self.class_names)
         log = get_logger()

@@ -65,7 +65,8 @@ class Runtime:
 def resolve_config(cfg: TrainConfig, run: RunData, info: dist.DistInfo) -> TrainConfig:
     """Fill the device- and plan-dependent defaults; record the dataset's folder."""
     cpus = len(os.sched_getaffinity(0))
-    cfg = dataclasses.replace(cfg, data_dir=str(run.data_dir))
+    # absolute (symlinks kept), so evaluate.py finds the dataset from any folder it is started in
+    cfg = dataclasses.replace(cfg, data_dir=os.path.abspath(run.data_dir))
     return resolve(cfg, run.plan, info.device.type, info.world_size, cpus, info.local_world_size)
 
 

@@ -66,6 +66,7 @@ class TrainState:
     class_names: list[str]
     split: dict[str, list[str]] = field(default_factory=dict)  # the case names of "train" and "val"
     epoch: int = 0  # epochs completed
+    trained_steps: int = 0  # optimizer steps of the completed epochs (each at its run's steps per epoch)
     partial_epoch: PartialEpoch = field(default_factory=PartialEpoch)  # of the next epoch, after a stop
     best_metric: float = -math.inf  # the best mean validation Dice so far
     budget: TimeBudget | None = None  # the --time-limit budget of the job that trains now
@@ -96,6 +97,7 @@ class TrainState:
             "scheduler": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,
+            "trained_steps": self.trained_steps,
             "step": self.step,
             "epoch_partial": dataclasses.asdict(self.partial_epoch),  # the key of format 1
             "best_metric": self.best_metric,
@@ -155,11 +157,25 @@ class TrainState:
                 "generators start from the seed, not from where that run left them"
             )
         self.epoch = int(checkpoint["epoch"])
+        self.trained_steps = trained_steps(checkpoint)
         step = int(checkpoint.get("step", 0))
         self.partial_epoch = PartialEpoch(**checkpoint["epoch_partial"]) if step else PartialEpoch()
         self.best_metric = float(checkpoint["best_metric"])
         saved_budget = checkpoint.get("time_budget")
         self.budget = TimeBudget.from_state(saved_budget) if saved_budget else None
+
+
+def trained_steps(checkpoint: dict[str, Any]) -> int:
+    """The optimizer steps of a checkpoint's completed epochs; for one written before they were counted, its
+    epochs at its own steps per epoch (samples per epoch / (batch size x world size))."""
+    if "trained_steps" in checkpoint:
+        return int(checkpoint["trained_steps"])
+    cfg = checkpoint.get("config") or {}
+    try:
+        per_epoch = int(cfg["samples_per_epoch"]) // (int(cfg["batch_size"]) * int(checkpoint["world_size"]))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        per_epoch = 0
+    return int(checkpoint["epoch"]) * per_epoch
 
 
 def build_state(rt: Runtime, run: RunData) -> TrainState:
