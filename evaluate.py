@@ -169,12 +169,14 @@ def segmentation_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def shown_prediction(probs: torch.Tensor, predictor: Predictor) -> torch.Tensor | np.ndarray:
     """What the overview draws of `probs` (K, X, Y, Z) in the planned space: the middle plane's labels (X, Y),
-    post-processed as the saved and scored labels are, whose rules need the whole volume (on the host, where
-    the whole-volume labels cannot take the GPU's memory from the next case)."""
+    post-processed as the saved and scored labels are (there on the file's grid, here in the planned space),
+    whose rules need the whole volume: taken a few planes at a time to uint8 on the host, so neither the
+    GPU nor the host holds more than a slab of int64 labels or a copy of the probabilities."""
     z = probs.shape[-1] // 2
     if not predictor.rules:
         return probs[..., z].argmax(0)
-    labels = probs.cpu().argmax(0).numpy().astype(np.uint8)
+    slabs = [probs[..., i : i + 16].argmax(0).to(torch.uint8).cpu() for i in range(0, probs.shape[-1], 16)]
+    labels = torch.cat(slabs, dim=-1).numpy()
     return postprocess.apply(labels, predictor.rules, predictor.class_names)[..., z]
 
 
