@@ -202,6 +202,9 @@ def test_a_resume_names_classes_the_dataset_renamed_and_refuses_another_number_o
     args = {"in_channels": 1, "num_classes": 3}
     state = {"config": config, "model_args": args, "step": 0, "class_names": ["background", "organ", "lesion"]}
     assert check_compatible(state, config, args, 1, Path("last.pt"), ["background", "organ", "lesion"]) == []
+    relative = {**state, "config": {**config, "data_dir": "runs/synthetic/x"}}  # as recorded before 2026-12-07
+    now = {**config, "data_dir": os.path.abspath("runs/synthetic/x")}
+    assert check_compatible(relative, now, args, 1, Path("last.pt")) == [], "the same folder, not a change"
     changed = check_compatible(state, config, args, 1, Path("last.pt"), ["background", "liver", "tumour"])
     assert changed == [
         "class names (checkpoint ['background', 'organ', 'lesion'], now ['background', 'liver', 'tumour'])"

@@ -358,7 +358,10 @@ def test_a_test_split_without_labels_writes_predictions_only_and_train_scores_th
     torch.save(weights, tmp_path / "w.pt")
     common = ["--checkpoint", str(tmp_path / "w.pt"), "--data-dir", str(data), "--device", "cpu", "--window", "16"]
     out = tmp_path / "test"
-    assert evaluate.main([*common, "--split", "test", "--out-dir", str(out)]) == 0
+    default = [a for a in common if a not in ("--device", "cpu")]  # the default device: a GPU, else the CPU
+    assert evaluate.main([*default, "--split", "test", "--out-dir", str(out)]) == 0
+    device = json.loads((out / "summary.json").read_text())["inference"]["device"]
+    assert device == ("cuda:0" if torch.cuda.is_available() else "cpu"), device
     assert sorted(p.name for p in (out / "predictions").glob("*.nii.gz")) == ["synth_006.nii.gz", "synth_007.nii.gz"]
     for name in ("synth_006", "synth_007"):
         pred, image = nib.load(out / "predictions" / f"{name}.nii.gz"), nib.load(data / "imagesTs" / f"{name}.nii.gz")

@@ -9,6 +9,7 @@ ones), every rank loads it onto its own device into the unwrapped model, before 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -161,11 +162,17 @@ def check_compatible(
         raise CheckpointError(f"cannot resume from {source}: the configuration differs in " + "; ".join(errors))
     ignored = set(FREE_FIELDS) | set(STRICT_FIELDS)  # (a changed position field mid-epoch was refused above)
     # options newer than the checkpoint are not "changed": it was trained before they existed
+    if "data_dir" in saved:  # recorded relative to where the run started before it was recorded absolute
+        saved = {**saved, "data_dir": _absolute(saved["data_dir"])}
     changed = sorted(k for k in config if k not in ignored and k in saved and _plain(saved[k]) != _plain(config[k]))
     before = state.get("class_names")
     if class_names is not None and before is not None and list(before) != list(class_names):
         changed.append(f"class names (checkpoint {list(before)}, now {list(class_names)})")
     return changed
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path is None else os.path.abspath(path)
 
 
 def _plain(value: Any) -> Any:
