@@ -86,6 +86,7 @@ def test_launch_cpu_n_trains_and_evaluate_reproduces_best(shared, tmp_path, worl
     out = tmp_path / "run"
     if world == 1:
         (tmp_path / "runs").mkdir()
+        (shared / "syn").mkdir(exist_ok=True)  # (the first test of the module to run writes the data into it)
         (tmp_path / "runs" / "synthetic").symlink_to(shared / "syn", target_is_directory=True)
         command = ["bash", str(REPO / "launch.sh"), "cpu:1", *SHORT]
         result = run(command, timeout=300, cwd=tmp_path)
