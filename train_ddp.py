@@ -10,6 +10,7 @@ printing) are left to rank 0.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from unet3d.training.control import (
     StopReason,
     TimeBudget,
     TrainingError,
+    end_job_without_restart,
     fail_alone,
     fail_together,
     launch_time,
@@ -63,7 +65,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     if cfg.prepare_only:
         return preflight(cfg)  # launch.sh's check, before any rank starts
-    info = dist.setup(timedelta(seconds=cfg.dist_timeout), timedelta(seconds=cfg.setup_timeout))
+    try:
+        info = dist.setup(timedelta(seconds=cfg.dist_timeout), timedelta(seconds=cfg.setup_timeout))
+    except ValueError as e:  # no process group yet: every rank of this node finds the same (its GPUs, its
+        # environment), and a restart would find it again
+        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            end_job_without_restart()
+        return 2
     setup_logging(info.rank)  # the console, until the run folder is known to take files
     try:
         logs = dist.run_on_local_main(

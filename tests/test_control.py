@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
 from tests.helpers import REPO
+from unet3d.training import control
 from unet3d.training.config import parse_duration
 from unet3d.training.control import EXIT_MARGIN_S, TimeBudget
 from unet3d.training.faults import fault_steps
@@ -115,3 +118,24 @@ def test_duration_and_fault_parsing():
     spec = "1:3,4;0:9"
     assert fault_steps(spec, 1) == {3, 4} and fault_steps(spec, 0) == {9} and fault_steps(spec, 2) == set()
     assert fault_steps("", 0) == set()
+
+
+def test_the_agent_is_asked_to_end_the_job_once_per_attempt_however_many_ranks_ask(monkeypatch, tmp_path):
+    """Several ranks out of GPU memory at once each end the job: a third SIGTERM to torchrun's agent cut its
+    shutdown short, and a rank that had not failed was left running without a parent. One signal per agent
+    and attempt; a restart (another attempt) or another agent may ask again."""
+    sent = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/42")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setattr(os, "getppid", lambda: 4242)
+    assert all(control.end_job_without_restart() for _ in range(3)), "each rank is told the job is ending"
+    assert sent == [(4242, signal.SIGTERM)]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert control.end_job_without_restart()
+    monkeypatch.setattr(os, "getppid", lambda: 4343)
+    assert control.end_job_without_restart()
+    assert sent == [(4242, signal.SIGTERM), (4242, signal.SIGTERM), (4343, signal.SIGTERM)]
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert not control.end_job_without_restart(), "not started by torchrun: nobody to ask"

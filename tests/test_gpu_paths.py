@@ -21,6 +21,7 @@ from unet3d.checkpoint import CheckpointError, load_checkpoint
 from unet3d.files import temp_path
 from unet3d.training import dist
 from unet3d.training.config import TrainConfig
+from unet3d.training.control import TrainingError
 from unet3d.training.epoch import train_one_epoch
 from unet3d.training.optim import build_optimizer, optimizer_kernels
 from unet3d.training.runtime import Runtime, describe_run
@@ -164,6 +165,22 @@ def test_fp16_overflow_steps_are_counted_skipped_and_left_out_of_the_loss():
     assert stats.samples == 2 * (steps - stats.overflowed), "overflowed steps are not in the epoch's mean loss"
     assert math.isfinite(stats.loss) and state.scaler.get_scale() < 2.0**60
     assert state.epoch == 1, "the epoch is counted as done"
+
+
+def test_fp16_gradients_that_stay_non_finite_stop_the_job_once_the_loss_scale_is_below_1():
+    """A finite loss with NaN gradients looks like a loss-scale overflow under fp16: the GradScaler halves the
+    scale and skips the step. Halving never cures it, so once the scale is below 1 it is a TrainingError (it
+    skipped every step to the end of training, the scale falling to 6e-8, before)."""
+    torch.manual_seed(0)
+    rt = runtime(dist.DistInfo(0, 0, 1, 1, CPU), 40, torch.float16, lr=0.01, momentum=0.9, max_bad_steps=3)
+    model = UNet3D(1, 3, (4, 8))
+    state = state_for(rt, model)
+    state.scaler = torch.amp.GradScaler("cpu")  # what --amp fp16 builds: 65536 to start
+    next(model.parameters()).register_hook(lambda grad: grad * float("nan"))
+    label = torch.randint(0, 3, (2, 8, 8, 8))
+    batch = (label[:, None].float() + torch.randn(2, 1, 8, 8, 8), label)
+    with pytest.raises(TrainingError, match=r"step 18: fp16 gradients are non-finite even at a loss scale of 0.5"):
+        train_one_epoch(rt, state, model, DiceCELoss(), [batch] * 40, control_for(rt))
 
 
 def test_temporary_names_differ_between_hosts_with_the_same_pid(monkeypatch, tmp_path):

@@ -26,6 +26,15 @@ def choose_device(gpu: int | None, device: str | None) -> torch.device:
         mask_physical_gpu(gpu)
         if not torch.cuda.is_available():
             raise ValueError(f"--gpu {gpu}: no such GPU is visible (CUDA_VISIBLE_DEVICES={gpu}, PCI bus order)")
+        # torch.cuda.is_initialized() misses CUDA started outside torch's lazy init (an is_available() call
+        # before the mask starts the driver): the driver read the mask then, and then cuda:0 is not GPU `gpu`.
+        # The driver's own count is what it saw (torch.cuda.device_count() would parse the new mask instead).
+        count = getattr(torch._C, "_cuda_getDeviceCount", lambda: 1)()
+        if count != 1:
+            raise RuntimeError(
+                f"--gpu {gpu}: CUDA was started before the mask and sees {count} GPUs, so cuda:0 need not be "
+                f"physical GPU {gpu}: nothing may touch CUDA before choose_device"
+            )
         chosen = torch.device("cuda", 0)
     elif device is not None:
         try:

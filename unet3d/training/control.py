@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import signal
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -191,7 +194,26 @@ def end_job_without_restart() -> bool:
     """
     if "TORCHELASTIC_RUN_ID" not in os.environ or os.getppid() <= 1:
         return False
-    os.kill(os.getppid(), signal.SIGTERM)
+    # One signal per agent and attempt: the agent's handler raises again on every further SIGTERM, and a
+    # third one abandoned its shutdown before it killed the workers, leaving a rank that had not failed
+    # waiting in a collective, without a parent, until --dist-timeout (several ranks out of memory at once)
+    if _first_to_ask():
+        os.kill(os.getppid(), signal.SIGTERM)
+    return True
+
+
+def _first_to_ask() -> bool:
+    """Whether no other rank of this agent's current attempt has asked it to end the job (an exclusive file,
+    named by the run, the agent's pid and the restart count, so a later job never finds it)."""
+    run = re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("TORCHELASTIC_RUN_ID", ""))[:64]
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    marker = Path(tempfile.gettempdir()) / f"unet3d-end-{run}-{os.getppid()}-{restart}"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:  # no temporary folder to write: ask anyway
+        return True
     return True
 
 

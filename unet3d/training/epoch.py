@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from unet3d.precision import autocast
 from unet3d.training import dist
-from unet3d.training.control import StepControl, StopReason
+from unet3d.training.control import StepControl, StopReason, TrainingError
 from unet3d.training.logs import get_logger
 from unet3d.training.runtime import Runtime
 from unet3d.training.state import PartialEpoch, TrainState
@@ -21,6 +21,10 @@ from unet3d.training.timing import EpochTiming
 
 POSTFIX_EVERY = 5  # steps between progress-bar loss readings (each one waits for the GPU)
 GRAD_CLIP = 12.0  # gradient-norm clipping, as nnU-Net
+# fp16: an overflow at a loss scale below this is no overflow (the scaled gradients are smaller than the true
+# ones) but non-finite gradients, which halving the scale further never cures: without this bound such a fault
+# skipped every step to the end of training, the scale falling towards zero, --max-bad-steps never reached
+MIN_LOSS_SCALE = 1.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,13 @@ def train_one_epoch(
         elif verdict.overflow:  # every rank skips it; the loss is left out of the epoch's mean as well
             overflowed += 1
             optimizer.zero_grad(set_to_none=True)
+            scale = scaler.get_scale()  # one read on a rare step; every rank's scaler saw the same gradients
+            if scale < MIN_LOSS_SCALE:  # so every rank raises here together
+                raise TrainingError(
+                    f"epoch {epoch + 1} step {step + 1}: fp16 gradients are non-finite even at a loss scale of "
+                    f"{scale:.3g} (the GradScaler halved it at each of the overflows before): not an overflow but "
+                    "a fault; try --amp bf16 or --amp off, lower --lr, or check the data"
+                )
         else:
             scaler.step(optimizer)
             loss_sum += loss.detach().double() * len(image)
