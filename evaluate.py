@@ -32,7 +32,7 @@ from tqdm import tqdm
 from data.check import label_problems
 from data.geometry import obliquity
 from data.msd import load_dataset_json, run_split
-from data.nifti import load_label, spacing
+from data.nifti import load_label, records_orientation, spacing
 from data.plan import OBLIQUE_DEGREES
 from unet3d.inference import postprocess
 from unet3d.inference.cases import InputCase, folder_cases, load_case_image
@@ -63,7 +63,9 @@ from unet3d.precision import AMP_CHOICES, MEMORY_FORMAT_CHOICES, format_name, re
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # No abbreviations: the sharding parent strips --gpu/--device/--workers/--out-dir from the children's
+    # arguments by name, and a shortened --worker 2 that reached them made every child shard again.
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument(
         "--checkpoint", required=True, nargs="+", metavar="PATH",
         help="train_ddp.py checkpoint(s) or bare state dicts; several: an ensemble (or the folds, with --split cv)",
@@ -126,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--workers {args.workers}: N >= 1, and more than one only with --device cpu")
         if args.images and not args.shard:  # the shards' parent, or the one process
             claim_folder(output_dir(args), segmentation_settings(args), args.overwrite)
-        if len(gpus) > 1 or args.workers > 1:
+        if (len(gpus) > 1 or args.workers > 1) and not args.shard:  # a shard never shards again
             return run_shards(argv, args, gpus)
         return evaluate(args, gpus[0] if gpus else None)
     except (ValueError, FileNotFoundError) as e:
@@ -149,6 +151,11 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--sw-batch-size must be >= 1, got {args.sw_batch_size}")
     if args.overview_cases < 0:
         raise ValueError(f"--overview-cases must be >= 0, got {args.overview_cases}")
+    if args.images and Path(output_dir(args)).resolve() == Path(args.images).resolve():
+        raise ValueError(
+            f"--out-dir {args.out_dir} is the --images folder: each segmentation would be written over (or, "
+            "without --overwrite, mistaken for) its own scan; give another --out-dir"
+        )
 
 
 def segmentation_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -245,6 +252,13 @@ def evaluate(args: argparse.Namespace, gpu: int | None) -> int:
     )  # fmt: skip
     overrides = {"in_channels": args.in_channels, "num_classes": args.num_classes, "features": args.features}
     members = load_members(args.checkpoint, device, overrides, options)
+    for member in members:  # refused once, before any case, rather than by every case
+        divisor = member.model.size_divisor
+        if member.window and any(w % d for w, d in zip(member.window, divisor)):
+            raise ValueError(
+                f"--window {' '.join(map(str, member.window))}: each size must be divisible by "
+                f"{' x '.join(map(str, divisor))}, the pooling of {member.source}"
+            )
     if args.split == "cv" and not args.images and len(members) < 2:
         raise ValueError("--split cv needs the checkpoints of two or more folds")
     names = [m.checkpoint.get("class_names") for m in members]
@@ -261,12 +275,13 @@ def evaluate(args: argparse.Namespace, gpu: int | None) -> int:
     out = output_dir(args)
     shard, shards = (int(v) for v in args.shard.split("/")) if args.shard else (0, 1)
     result = predict_cases(args, predictor, cases[shard::shards], owner, out, first=shard == 0)
+    ensembled = len(members) if args.images or args.split != "cv" else 1  # cv: each case by its own fold
     info = {
         "checkpoint": str(Path(args.checkpoint[0]).resolve()),  # the first (or only) one
         "checkpoints": [str(Path(c).resolve()) for c in args.checkpoint],
         "inference": {
             "overlap": args.overlap, "amp": str(amp_dtype), "memory_format": format_name(memory_format),
-            "tta": args.tta, "device": str(device), "ensemble": len(members) if args.split != "cv" else 1,
+            "tta": args.tta, "device": str(device), "ensemble": ensembled,
             "window": [m.window for m in members], "postprocess": rules,
         },
         "plan": plans[0].to_dict(), "config": members[0].config, "class_names": class_names,
@@ -322,7 +337,7 @@ def predict_cases(args, predictor: Predictor, cases, owner, out: Path, first: bo
             image, nii = load_case_image(case, predictor.in_channels)
             ref = None
             if case.label is not None:  # scored only on the image's grid, as training checks it
-                ref, ref_nii = load_label(case.label)
+                ref, ref_nii = load_label(case.label, nii)
                 classes = len(predictor.class_names)
                 problems = label_problems(case.images[0], image.shape[1:], nii, case.label, ref, ref_nii, classes)
                 if problems:  # reported with the other failed cases
@@ -333,6 +348,12 @@ def predict_cases(args, predictor: Predictor, cases, owner, out: Path, first: bo
                     f"warning: {case.name} lies {tilt:.1f} degrees off the scanner's axes: reorientation only "
                     "permutes and flips axes, so the network may see it turned a whole axis from the training "
                     "scans",
+                    file=sys.stderr,
+                )
+            if predictor.plan.orientation == "RAS" and not records_orientation(nii):
+                tqdm.write(
+                    f"warning: {case.name} records no orientation (qform_code and sform_code 0): its reorientation "
+                    "rests on nibabel's guess (x flipped), so left and right may be swapped against the training scans",
                     file=sys.stderr,
                 )
             members = [owner[case.name]] if owner else None
@@ -397,9 +418,13 @@ def finish(args, result: dict[str, Any], shard_files: list[Path]) -> int:
     summary.update(num_cases=len(result["done"]) + len(result["skipped"]) + len(errors), num_scored=len(scored))
     if args.split == "cv" and not args.images and rows:
         summary["folds"] = fold_scores(rows, result["owners"], class_names)
-        rules = postprocess.decide(saved_pairs(args, result, out), class_names)
-        postprocess.write(rules, out / "postprocessing.json")
-        summary["postprocessing"] = rules
+        if args.postprocess:  # the saved predictions are post-processed already: a decision from them would
+            # compare the rules with themselves, choose nothing, and (into the cv folder) overwrite the rules given
+            print(f"note: --postprocess given, so no post-processing is decided (the rules of {args.postprocess})")
+        else:
+            rules = postprocess.decide(saved_pairs(args, result, out), class_names)
+            postprocess.write(rules, out / "postprocessing.json")
+            summary["postprocessing"] = rules
     if not args.images:
         write_metrics(rows, out / "metrics.csv")
     elif args.overwrite:
@@ -427,8 +452,8 @@ def saved_pairs(args, result, out: Path):
     spec = load_dataset_json(result["data_dir"], require_files=False)  # the scored cases' labels alone are read
     labels = {c.name: c.label for c in spec.training}
     for case in sorted({d["case"] for d in result["done"]}):
-        pred = np.asarray(nib.load(out / "predictions" / f"{case}.nii.gz").dataobj)
-        yield pred, load_label(labels[case])[0]
+        saved = nib.load(out / "predictions" / f"{case}.nii.gz")  # on its image's grid, in its voxel order
+        yield np.asarray(saved.dataobj), load_label(labels[case], saved)[0]
 
 
 def run_shards(argv: list[str], args: argparse.Namespace, gpus: list[int]) -> int:

@@ -18,6 +18,7 @@ which marks the case complete and holds its geometry.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -28,7 +29,7 @@ import numpy as np
 from data.check import case_problems
 from data.geometry import Geometry
 from data.msd import Case, DatasetSpec
-from data.nifti import load_image, load_label
+from data.nifti import load_image, load_label, records_orientation
 from data.patches import PreparedCase, foreground_coords
 from data.plan import Fingerprint, Plan, PlanRequest, fingerprint_arrays
 from data.preprocess import preprocess
@@ -37,7 +38,9 @@ from unet3d.files import atomic_write, atomic_write_text
 CACHE_VERSION = 6  # 4: fingerprints measure the shape before the crop (the masked z-score's rule); 5: and the
 # labelled voxels the crop removes; 6: NAME_share.npy, the soft targets
 DIGEST_BYTES = 4096  # read from each end of a source file for its stamp
-FINGERPRINT_VERSION = 2  # 2: the obliquity (a change here re-reads the images, not the planned cache)
+# 2: the obliquity; 3: whether the header records an orientation (a change here re-reads the images, not the
+# planned cache)
+FINGERPRINT_VERSION = 3
 
 
 def _sources(case: Case) -> list:
@@ -100,12 +103,13 @@ def fingerprint_cases(
             if saved is not None and saved.get("stamp") == stamp:
                 continue
             image, image_nii = load_image(case.image)
-            label, label_nii = load_label(case.label)
+            label, label_nii = load_label(case.label, image_nii)
             problems = case_problems(case, image, image_nii, label, label_nii, spec.num_classes, spec.modalities)
             if problems:
                 errors += [f"{case.name}: {p}" for p in problems]
                 continue
             found = fingerprint_arrays(case.name, image, image_nii.affine, label, spec.modalities, request)
+            found = dataclasses.replace(found, unoriented=not records_orientation(image_nii))
             atomic_write_text(path, json.dumps({"stamp": stamp, **found.to_dict()}))
         except (OSError, ValueError) as e:
             errors.append(f"{case.name}: {e}")
@@ -158,7 +162,7 @@ def write_case(case: Case, plan: Plan, num_classes: int, folder: str | Path) -> 
     folder = Path(folder)
     stamp = _stamp(case, plan, num_classes)  # before reading: a file changed meanwhile leaves a stale stamp
     image, image_nii = load_image(case.image)
-    native, _ = load_label(case.label)
+    native, _ = load_label(case.label, image_nii)
     planned = preprocess(image, image_nii.affine, plan, native, num_classes)
     fg = foreground_coords(planned.label)
     rows = [np.column_stack([np.full(len(c), k, np.int32), c]) for k, c in sorted(fg.items())]

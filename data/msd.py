@@ -109,11 +109,20 @@ def load_dataset_json(data_dir: str | Path, require_files: bool = True) -> Datas
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or not {"image", "label"} <= entry.keys():
             raise ValueError(f"{source}: training[{i}] must have 'image' and 'label', got {entry!r}")
+        if not all(isinstance(entry[k], str) and entry[k] for k in ("image", "label")):
+            raise ValueError(f"{source}: training[{i}] must give 'image' and 'label' as file paths, got {entry!r}")
         image = _resolve(root, entry["image"])
         training.append(Case(case_name(image), image, _resolve(root, entry["label"])))
+    listed = meta.get("test")
+    if listed is not None and not isinstance(listed, list):  # null (or absent): no test images
+        raise ValueError(f"{source}: 'test' must be a list of image paths, got {listed!r}")
     test = []
-    for rel in meta.get("test", []):
-        image = _resolve(root, rel if isinstance(rel, str) else rel["image"])
+    for i, rel in enumerate(listed or []):
+        if isinstance(rel, dict):
+            rel = rel.get("image")
+        if not isinstance(rel, str) or not rel:
+            raise ValueError(f"{source}: test[{i}] must be an image path (or {{'image': path}}), got {listed[i]!r}")
+        image = _resolve(root, rel)
         label = root / "labelsTs" / image.name
         test.append(Case(case_name(image), image, label if label.is_file() else None))
     names = [c.name for c in training]

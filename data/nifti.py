@@ -7,7 +7,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from data.geometry import spacing_of
+from data.geometry import same_grid, spacing_of
 
 LABEL_ROUNDING = 1e-3  # a float label may miss its integer by rounding (a scaled header), not by more
 
@@ -20,7 +20,7 @@ def load_image(path: str | Path) -> tuple[np.ndarray, nib.Nifti1Image]:
     components: its empty time axis is dropped.
     """
     img = _load(path)
-    data = np.asarray(img.dataobj, dtype=np.float32)
+    data = _voxels(img, path, np.float32)
     if data.ndim == 5 and data.shape[3] == 1:
         data = data[:, :, :, 0]
     if data.ndim == 3:
@@ -32,10 +32,39 @@ def load_image(path: str | Path) -> tuple[np.ndarray, nib.Nifti1Image]:
     return np.ascontiguousarray(data), img
 
 
-def load_label(path: str | Path) -> tuple[np.ndarray, nib.Nifti1Image]:
-    """A 3D NIfTI label map of integers (stored as integers or floats) -> (uint8 array (X, Y, Z), the nibabel image)."""
+def load_label(path: str | Path, onto: nib.Nifti1Image | None = None) -> tuple[np.ndarray, nib.Nifti1Image]:
+    """A 3D NIfTI label map of integers (stored as integers or floats) -> (uint8 array (X, Y, Z), the nibabel image).
+
+    `onto`: the label's image. A label on that image's grid whose voxels are stored in another order (axes
+    flipped or permuted: a tool that wrote it in RAS beside an LPS scan) is brought into the image's order,
+    losslessly, with the affine to match; any other label is returned as stored, for `label_problems` to judge.
+    """
+    label, img = _read_label(path)
+    return (label, img) if onto is None else _in_order_of(label, img, onto)
+
+
+def _in_order_of(label: np.ndarray, img: nib.Nifti1Image, onto: nib.Nifti1Image) -> tuple[np.ndarray, nib.Nifti1Image]:
+    shape = tuple(onto.shape[:3])
+    if label.shape == shape and same_grid(img.affine, onto.affine):
+        return label, img
+    orientations = nib.orientations
+    try:
+        transform = orientations.ornt_transform(
+            orientations.io_orientation(img.affine), orientations.io_orientation(onto.affine)
+        )
+    except ValueError:  # a singular affine: no order to bring it into
+        return label, img
+    moved = orientations.apply_orientation(label, transform)
+    affine = img.affine @ orientations.inv_ornt_aff(transform, label.shape)
+    if moved.shape != shape or not same_grid(affine, onto.affine):
+        return label, img
+    moved = np.ascontiguousarray(moved)
+    return moved, nib.Nifti1Image(moved, affine, img.header)
+
+
+def _read_label(path: str | Path) -> tuple[np.ndarray, nib.Nifti1Image]:
     img = _load(path)
-    data = np.asarray(img.dataobj)
+    data = _voxels(img, path)
     while data.ndim > 3 and data.shape[-1] == 1:  # (X, Y, Z, 1) or ITK's (X, Y, Z, 1, 1)
         data = data[..., 0]
     if data.ndim != 3:
@@ -65,6 +94,26 @@ def _load(path: str | Path) -> nib.Nifti1Image:
         raise
     except Exception as e:  # nibabel raises many kinds for a damaged file
         raise ValueError(f"{path}: cannot read as NIfTI ({type(e).__name__}: {e})") from e
+
+
+def _voxels(img: nib.Nifti1Image, path: str | Path, dtype=None) -> np.ndarray:
+    """The voxels of `img`, read now: a file whose header reads but whose data is truncated or corrupt (an
+    interrupted copy or download) raises ValueError naming it, as a damaged header does."""
+    try:
+        return np.asarray(img.dataobj, dtype=dtype)
+    except MemoryError:
+        raise
+    except Exception as e:  # EOFError (truncated gzip), zlib.error (corrupt stream), OSError, ValueError (short .nii)
+        raise ValueError(f"{path}: cannot read its voxels ({type(e).__name__}: {e}); is the file complete?") from e
+
+
+def records_orientation(img: nib.Nifti1Image) -> bool:
+    """Whether the header places the voxels in the scanner's space (a qform or sform code above 0); without
+    either, nibabel's affine is a guess (the voxel sizes, x flipped as the old Analyze format stored it)."""
+    try:
+        return int(img.header["qform_code"]) > 0 or int(img.header["sform_code"]) > 0
+    except (KeyError, TypeError, ValueError):  # a header without the codes: nothing to tell
+        return True
 
 
 def spacing(img: nib.Nifti1Image) -> tuple[float, float, float]:

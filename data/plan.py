@@ -55,6 +55,7 @@ class Fingerprint:
     full_shape: tuple[int, int, int] | None = None  # spatial shape before the crop (None: not measured)
     cropped_labels: int = 0  # labelled voxels outside the crop's box, which the crop takes away
     obliquity: float | None = None  # degrees off the scanner's axes (`geometry.obliquity`; None: not measured)
+    unoriented: bool = False  # the header records no orientation (qform and sform codes 0): nibabel's guess
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -65,6 +66,7 @@ class Fingerprint:
             "full_shape": list(self.full_shape) if self.full_shape is not None else None,
             "cropped_labels": self.cropped_labels,
             "obliquity": self.obliquity,
+            "unoriented": self.unoriented,
         }
 
     @classmethod
@@ -79,6 +81,7 @@ class Fingerprint:
             full_shape=full,
             cropped_labels=int(d.get("cropped_labels", 0)),
             obliquity=float(d["obliquity"]) if d.get("obliquity") is not None else None,
+            unoriented=bool(d.get("unoriented", False)),
         )
 
     @property
@@ -423,6 +426,23 @@ def crop_losses(fingerprints: Sequence[Fingerprint]) -> str | None:
     return (
         f"{len(lossy)} training case(s) have labelled voxels outside the image's non-zero box, which the crop "
         f"removes from training: {named} (--crop none keeps them)"
+    )
+
+
+def unoriented_cases(fingerprints: Sequence[Fingerprint], orientation: str) -> str | None:
+    """A warning naming the training cases whose header records no orientation (qform and sform codes both 0)
+    when they are reoriented (`orientation` "RAS"): their affine is nibabel's fallback, which flips x, so a
+    case stored in any other voxel order than the others would train mirrored; None when there are none."""
+    if orientation != "RAS":
+        return None
+    unknown = [f.name for f in fingerprints if f.unoriented]
+    if not unknown:
+        return None
+    return (
+        f"{len(unknown)} training case(s) record no orientation (qform_code and sform_code 0), so their "
+        f"reorientation to RAS rests on a guess (x flipped, as the old Analyze format stored it): "
+        f"{_first_ten(unknown)}. Set their qform/sform from the scanner's data, or use --orientation none if "
+        f"every case shares one voxel order"
     )
 
 

@@ -107,6 +107,18 @@ def test_dataset_json_errors(tmp_path, tiny_dataset):
     (copy / "dataset.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"training\[0\] must have 'image' and 'label'"):
         load_dataset_json(copy)
+    # nulls, which hand-edited and converted files carry: one message naming the field, never a TypeError
+    good = {"image": "./imagesTr/synth_000.nii.gz", "label": "./labelsTr/synth_000.nii.gz"}
+    for training, test, message in [
+        ([{**good, "label": None}], [], r"training\[0\] must give 'image' and 'label' as file paths, got .*None"),
+        ([good], [None], r"test\[0\] must be an image path .*got None"),
+        ([good], "imagesTs/synth_006.nii.gz", r"'test' must be a list of image paths, got 'imagesTs"),
+    ]:
+        (copy / "dataset.json").write_text(json.dumps({**meta, "training": training, "test": test}))
+        with pytest.raises(ValueError, match=message):
+            load_dataset_json(copy, require_files=False)
+    (copy / "dataset.json").write_text(json.dumps({**meta, "training": [good], "test": None}))
+    assert load_dataset_json(copy, require_files=False).test == (), "a null test list lists no test images"
 
 
 def test_cases_are_named_by_the_listed_files_not_by_their_link_targets(tiny_dataset, tmp_path):
@@ -621,3 +633,58 @@ def test_itk_multi_component_files_are_read_as_channels(tmp_path):
     nib.save(nib.Nifti1Image(image.reshape(5, 6, 7, 2, 1), np.eye(4)), tmp_path / "time.nii.gz")
     with pytest.raises(ValueError, match=r"time.nii.gz: expected a 3D or 4D image, got shape \(5, 6, 7, 2, 1\)"):
         load_image(tmp_path / "time.nii.gz")
+
+
+def test_a_label_on_its_images_grid_in_another_voxel_order_is_brought_into_the_images_order(tiny_dataset, tmp_path):
+    """A tool that wrote the label in another voxel order (axes permuted and flipped) beside its scan: the
+    voxels lie at the image's world positions, so the label is reordered losslessly, not refused as a label
+    whose voxels are elsewhere; a label truly elsewhere (shifted 3 mm) is still refused."""
+    from unet3d.training.config import parse_args
+    from unet3d.training.preflight import preflight
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    path = data / "labelsTr" / "synth_002.nii.gz"
+    stored = nib.load(path)
+    label = np.asarray(stored.dataobj)
+    order = np.array([[2, -1], [0, 1], [1, -1]])  # z first, flipped; then x; then y, flipped
+    moved = nib.orientations.apply_orientation(label, order)
+    nib.save(nib.Nifti1Image(moved, stored.affine @ nib.orientations.inv_ornt_aff(order, label.shape)), path)
+    image = nib.load(data / "imagesTr" / "synth_002.nii.gz")
+    assert nib.load(path).shape != image.shape[:3]
+    read, read_nii = load_label(path, image)
+    assert np.array_equal(read, label) and np.allclose(read_nii.affine, image.affine)
+    assert np.array_equal(load_label(path)[0], moved), "without its image: as stored"
+    args = ["--data-dir", str(data), "--out-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache")]
+    assert preflight(parse_args([*args, "--val-fraction", "0.5", "--prepare-only"])) == 0
+
+    shifted = stored.affine.copy()
+    shifted[:3, 3] += 3.0
+    nib.save(nib.Nifti1Image(label, shifted), path)
+    read, read_nii = load_label(path, image)
+    assert np.array_equal(read_nii.affine, shifted), "not on the grid: returned as stored, for the check to refuse"
+
+
+def test_cases_whose_header_records_no_orientation_are_named_when_reoriented(tiny_dataset, tmp_path):
+    """qform_code and sform_code 0: nibabel's affine is then a guess that flips x (Analyze's convention), so
+    reorienting such a case to RAS may mirror it against the others: named in a warning, not used silently."""
+    from data.cache import load_fingerprints
+    from data.plan import unoriented_cases
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    for folder in ("imagesTr", "labelsTr"):
+        path = data / folder / "synth_003.nii.gz"
+        img = nib.load(path)
+        bare = nib.Nifti1Image(np.asarray(img.dataobj), None)
+        bare.set_qform(None, code=0)
+        bare.set_sform(None, code=0)
+        nib.save(bare, path)
+    spec = load_dataset_json(data)
+    request = PlanRequest(patch_voxels=64, widths=(4, 8), max_levels=2)
+    assert fingerprint_cases(spec.training, spec, request, tmp_path / "cache", 0, 1) == []
+    found = load_fingerprints(spec.training, request, tmp_path / "cache")
+    assert [f.name for f in found if f.unoriented] == ["synth_003"]
+    warning = unoriented_cases(found, "RAS")
+    assert warning.startswith("1 training case(s) record no orientation (qform_code and sform_code 0)")
+    assert "synth_003" in warning and unoriented_cases(found, "none") is None

@@ -17,7 +17,7 @@ import evaluate
 from tests.helpers import run
 from unet3d import UNet3D
 from unet3d.checkpoint import load_model
-from unet3d.inference.devices import mask_physical_gpu
+from unet3d.inference.devices import choose_device, mask_physical_gpu
 
 FEATURES = (4, 8, 16)
 
@@ -88,6 +88,21 @@ def test_gpu_mask_is_set_before_cuda_and_refused_after(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="already initialised"):
         mask_physical_gpu(6)
+
+
+def test_a_gpu_mask_that_came_after_cuda_started_is_refused_not_silently_ignored(monkeypatch):
+    """CUDA started outside torch's lazy init (torch.cuda.is_initialized() still False) has read the mask of
+    its start: the driver counts every GPU, and cuda:0 would be the first of them, not the one asked for."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 4, raising=False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("a GPU was bound"))
+    with pytest.raises(RuntimeError, match="--gpu 5: CUDA was started before the mask and sees 4 GPUs"):
+        choose_device(5, None)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 1, raising=False)
+    bound = []
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    assert choose_device(5, None) == torch.device("cuda", 0) and bound == [torch.device("cuda", 0)]
 
 
 def test_gpu_option_on_a_machine_without_that_gpu_fails_clearly(weights, tmp_path):
@@ -378,3 +393,74 @@ def test_a_test_split_without_labels_writes_predictions_only_and_train_scores_th
     (data / "labelsTr" / f"{held}.nii.gz").unlink()  # a training-list label that is missing: one failed case
     assert evaluate.main([*common, "--split", "val", "--out-dir", str(tmp_path / "val2")]) == 1
     assert f"error: {held}: " in capsys.readouterr().err
+
+
+def test_a_damaged_scan_is_one_failed_case_and_the_rest_is_scored(weights, tiny_dataset, tmp_path, capsys):
+    """An interrupted copy: the gzip stream of synth_007 ends halfway, so its header reads and its voxels do
+    not. It was an EOFError that ended the run before (no metrics.csv, no summary.json)."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    damaged = data / "imagesTs" / "synth_007.nii.gz"
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    torch.save(weights, tmp_path / "w.pt")
+    out = tmp_path / "eval"
+    argv = ["--checkpoint", str(tmp_path / "w.pt"), "--data-dir", str(data), "--split", "test", "--out-dir", str(out)]
+    assert evaluate.main([*argv, "--device", "cpu", "--window", "16"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: synth_007: {damaged}: cannot read its voxels (EOFError" in err, err
+    rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
+    assert {r["case"] for r in rows} == {"synth_006"}
+    assert json.loads((out / "summary.json").read_text())["num_cases"] == 2
+
+
+def test_a_folder_that_names_one_case_twice_or_is_its_own_output_is_refused(weights, tiny_dataset, tmp_path, capsys):
+    """Two files of one case name (a.nii beside a.nii.gz, b.nii.gz beside b_0000.nii.gz) would both write
+    NAME.nii.gz, and one of them was dropped without a word. An --out-dir that is the --images folder took
+    every scan for a segmentation already written, or with --overwrite wrote each segmentation over its scan."""
+    torch.save(weights, tmp_path / "w.pt")
+    scans = tmp_path / "scans"
+    scans.mkdir()
+    source = tiny_dataset / "imagesTs" / "synth_006.nii.gz"
+    for name in ("a.nii.gz", "b.nii.gz", "b_0000.nii.gz", "c.nii.gz"):
+        shutil.copy(source, scans / name)
+    nib.save(nib.load(source), scans / "a.nii")
+    argv = ["--checkpoint", str(tmp_path / "w.pt"), "--images", str(scans), "--device", "cpu", "--window", "16"]
+    assert evaluate.main([*argv, "--out-dir", str(tmp_path / "seg")]) == 2
+    err = capsys.readouterr().err
+    assert "files that name the same case (a: a.nii, a.nii.gz; b: b_0000.nii.gz, b.nii.gz)" in err, err
+    assert not list((tmp_path / "seg").glob("*.nii.gz"))
+
+    for name in ("a.nii", "b_0000.nii.gz"):
+        (scans / name).unlink()
+    before = {p.name: p.read_bytes() for p in scans.iterdir()}
+    for extra in ([], ["--overwrite"]):
+        assert evaluate.main([*argv, "--out-dir", str(scans), *extra]) == 2
+        assert "is the --images folder" in capsys.readouterr().err
+        assert {p.name: p.read_bytes() for p in scans.iterdir()} == before, "the scans are untouched"
+    assert evaluate.main([*argv, "--out-dir", str(tmp_path / "seg")]) == 0
+    assert sorted(p.name for p in (tmp_path / "seg").glob("*.nii.gz")) == ["a.nii.gz", "b.nii.gz", "c.nii.gz"]
+
+
+def test_a_shard_never_shards_again_and_options_are_never_abbreviated(weights, tiny_dataset, tmp_path, monkeypatch):
+    """An abbreviated `--worker 2` reached the shards (whose parent strips --workers by its full name), and
+    each shard started two more, without end."""
+    torch.save(weights, tmp_path / "w.pt")
+    argv = ["--checkpoint", str(tmp_path / "w.pt"), "--data-dir", str(tiny_dataset), "--split", "test"]
+    argv += ["--device", "cpu", "--window", "16", "--out-dir", str(tmp_path / "eval")]
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.build_parser().parse_args([*argv, "--worker", "2"])
+    assert exit_.value.code == 2
+    monkeypatch.setattr(evaluate.subprocess, "Popen", lambda *a, **k: pytest.fail("a shard started processes"))
+    assert evaluate.main([*argv, "--workers", "2", "--shard", "1/2"]) == 0
+    share = json.loads((tmp_path / "eval" / "shards" / "1.json").read_text())
+    assert [d["case"] for d in share["done"]] == ["synth_007"], "its own share of the two test cases"
+
+
+def test_a_window_the_network_cannot_take_is_refused_before_any_case(weights, tiny_dataset, tmp_path, capsys):
+    """Three levels pool twice: each window size must be divisible by 4. Every case failed on its own before."""
+    torch.save(weights, tmp_path / "w.pt")
+    out = tmp_path / "eval"
+    argv = ["--checkpoint", str(tmp_path / "w.pt"), "--data-dir", str(tiny_dataset), "--split", "test"]
+    assert evaluate.main([*argv, "--device", "cpu", "--window", "15", "--out-dir", str(out)]) == 2
+    assert "--window 15 15 15: each size must be divisible by 4 x 4 x 4" in capsys.readouterr().err
+    assert not (out / "predictions").exists()

@@ -60,6 +60,17 @@ def test_cross_validation_score_and_post_processing(folds):
            + ["--out-dir", str(applied)])  # fmt: skip
     used = json.loads((applied / "summary.json").read_text())["inference"]["postprocess"]
     assert used["largest_component"] == rules["largest_component"], (used, rules)
+    # re-scored into the same folder with its own rules: the predictions read back are post-processed, so a
+    # decision from them compared the rules with themselves and wrote an empty one over the file given
+    written = (out / "postprocessing.json").read_text()
+    run_ok(["--checkpoint", *checkpoints, "--split", "cv", "--postprocess", str(out / "postprocessing.json")]
+           + ["--out-dir", str(out)])  # fmt: skip
+    assert (out / "postprocessing.json").read_text() == written
+    again = json.loads((out / "summary.json").read_text())
+    assert (
+        "postprocessing" not in again
+        and again["inference"]["postprocess"]["largest_component"] == rules["largest_component"]
+    )
 
 
 def test_the_ensemble_of_the_folds_on_the_test_split(folds, capsys):

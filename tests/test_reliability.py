@@ -306,6 +306,9 @@ def broken_copy(shared: Path, tmp_path: Path, kind: str) -> tuple[Path, str]:
     elif kind == "2D image":
         nib.save(nib.Nifti1Image(data[:, :, :1], img.affine), image)
         nib.save(nib.Nifti1Image(seg[:, :, :1], lbl.affine), label)
+    elif kind == "truncated label":  # an interrupted copy: the header reads, the voxels end early
+        raw = label.read_bytes()
+        label.write_bytes(raw[: len(raw) // 2])
     elif kind == "NaN image":
         data = data.copy()
         data[1, 2, 3] = np.nan
@@ -330,6 +333,7 @@ LAUNCHED = {"malformed dataset.json", "sheared affine", "no validation case"}  #
         ("2D image", "is not a 3D volume"),
         ("undeclared label", "label value(s) [7] not declared"),
         ("NaN image", "NaN or infinite value(s)"),
+        ("truncated label", "cannot read its voxels (EOFError"),
         ("no validation case", "holds out no validation case"),
     ],
 )
@@ -383,6 +387,19 @@ def test_the_ranks_check_the_dataset_too_and_fail_together_without_restarts(shar
     for rank in (0, 1):
         log = (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
         assert "NaN or infinite value(s)" in log and "torchrun restart 1" not in log
+
+
+def test_a_rank_that_finds_no_usable_gpu_ends_the_job_once_without_restarts(shared, tmp_path):
+    """launch.sh was given GPU ids, but this torch sees none (a CPU build, a driver CUDA cannot use: NVML,
+    which the pre-flight asks, may still list the cards). The ranks find it before any process group exists:
+    each says so once and the job ends with exit 2, not 1 after torchrun restarted it 3 times."""
+    command = ["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "train_ddp.py"]
+    command += ["--data-dir", str(shared / "data"), "--out-dir", str(tmp_path / "run")]
+    env = {"CUDA_VISIBLE_DEVICES": "", "UNET3D_EXPECT_CUDA": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    result = run(command, env={**env, "OMP_NUM_THREADS": "1"}, timeout=60)
+    assert result.returncode != 0
+    assert result.stderr.count("error: launch.sh was given GPUs (CUDA_VISIBLE_DEVICES=)") == 2, result.stderr
+    assert 'train_ddp.py", line' not in result.stderr, "a message, not a rank's traceback"
 
 
 # --- bad checkpoints ------------------------------------------------------------------------------------

@@ -46,23 +46,32 @@ def folder_cases(folder: str | Path, in_channels: int) -> list[InputCase]:
     if not files:
         raise FileNotFoundError(f"--images {folder}: no NIfTI files (.nii or .nii.gz) in it")
     groups: dict[str, list[tuple[int, Path]]] = {}
-    single: dict[str, Path] = {}
+    single: dict[str, list[Path]] = {}
     for path in files:
         name = case_name(path)
         match = CHANNEL_FILE.match(name)
         if match:
             groups.setdefault(match["case"], []).append((int(match["channel"]), path))
         else:
-            single[name] = path
+            single.setdefault(name, []).append(path)
     cases = []
     for name, channels in groups.items():
         numbers = [n for n, _ in channels]
         if numbers == [0] or (in_channels > 1 and 0 in numbers):
             cases.append(InputCase(name, tuple(path for _, path in sorted(channels))))
+            single.setdefault(name, [])
         else:
-            single.update((case_name(path), path) for _, path in channels)
-    grouped = {c.name for c in cases}
-    cases += [InputCase(name, (path,)) for name, path in single.items() if name not in grouped]
+            for _, path in channels:
+                single.setdefault(case_name(path), []).append(path)
+    grouped = {c.name: c.images for c in cases}
+    clashes = [
+        f"{name}: {', '.join(p.name for p in (*grouped.get(name, ()), *paths))}"
+        for name, paths in sorted(single.items())
+        if len(paths) + bool(grouped.get(name)) > 1
+    ]
+    if clashes:  # one of them would be segmented and the other silently not (both write NAME.nii.gz)
+        raise ValueError(f"--images {folder}: files that name the same case ({'; '.join(clashes)}): rename or move one")
+    cases += [InputCase(name, (paths[0],)) for name, paths in single.items() if paths and name not in grouped]
     return sorted(cases, key=lambda c: c.name)
 
 

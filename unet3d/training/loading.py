@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from data.cache import open_case
 from data.dataset import EpochSampler, PatchDataset, ignore_stop_signals
 from data.patches import PreparedCase
-from data.plan import Plan, PlanRequest, crop_losses, oblique_cases, plan_differences
+from data.plan import Plan, PlanRequest, crop_losses, oblique_cases, plan_differences, unoriented_cases
 from data.prepare import DatasetError, RunData, build, fingerprints, inspect, plan_data, resolve_data, unique
 from unet3d.training import dist
 from unet3d.training.checkpointing import saved_plan
@@ -43,7 +43,8 @@ def choose_plan(run: RunData, request: PlanRequest, checkpoint: dict[str, Any] |
     """A new run's plan from its data; a resumed run's from its checkpoint, saying where the data no longer
     fits it (the run continues with the checkpoint's plan)."""
     found = fingerprints(run, request)  # read once, for the warning and the plan
-    for warning in (crop_losses(found), oblique_cases(found, request.orientation)):
+    orientation = request.orientation
+    for warning in (crop_losses(found), oblique_cases(found, orientation), unoriented_cases(found, orientation)):
         if warning:
             get_logger().warning(f"warning: {warning}")
     saved = saved_plan(checkpoint, run.spec) if checkpoint is not None else None
