@@ -54,6 +54,7 @@ esac
 
 spec=$1
 shift
+[[ ${1:-} != -- ]] || shift  # `launch.sh cpu -- --epochs 1`: the separator is not train_ddp.py's
 UNET3D_LAUNCH_TIME=$(date +%s.%N)  # --time-limit counts from here
 export UNET3D_LAUNCH_TIME
 
@@ -74,6 +75,8 @@ MAX_RESTARTS=$restarts NNODES=$nodes NODE_RANK=$node_rank
 if ((NNODES > 1)); then
   [[ -n ${MASTER_ADDR:-} ]] || die "NNODES=$NNODES needs MASTER_ADDR (the address of the node that hosts the rendezvous)"
 fi
+port=$(number "${MASTER_PORT:-29500}") && ((port >= 1 && port <= 65535)) ||
+  die "MASTER_PORT must be a port number, 1 to 65535, got '$MASTER_PORT'"
 
 if [[ -n ${TORCHRUN:-} ]]; then
   read -r -a torchrun <<<"$TORCHRUN"
@@ -111,6 +114,8 @@ if [[ $spec =~ ^cpu(:(.*))?$ ]]; then
 else
   [[ -n $spec ]] || die "empty GPU list; give ids like 5,6,7 or cpu[:N]"
   [[ $spec != -* || $spec =~ ^-[0-9] ]] || die "the first argument must be GPU ids or cpu[:N], got option '$spec'"
+  # (a newline too: `read` below takes one line, and "$(nvidia-smi --query-gpu=index ...)" trained on the first)
+  [[ $spec != *[[:space:]]* ]] || die "GPU list '${spec//$'\n'/\\n}' holds a space or a line break: give ids separated by commas alone, e.g. 5,6,7"
   IFS=, read -r -a ids <<<"$spec,"
   [[ ${#ids[@]} -ge 1 ]] || die "empty GPU list '$spec'"
   declare -A seen=()
@@ -130,14 +135,22 @@ else
   smi=(nvidia-smi -L)
   wait_s=$(number "${NVIDIA_SMI_TIMEOUT:-60}") && ((wait_s >= 1)) ||  # (timeout 0 would wait for ever)
     die "NVIDIA_SMI_TIMEOUT must be a positive number of seconds, got '$NVIDIA_SMI_TIMEOUT'"
-  command -v timeout >/dev/null 2>&1 && smi=(timeout "$wait_s" nvidia-smi -L)  # a hung driver: a message, no hang
+  # a hung driver: a message, no hang (-k: SIGKILL 5 s after a SIGTERM it ignores; not --foreground, with which
+  # only nvidia-smi would be signalled, and a process it started could hold the output open for ever)
+  command -v timeout >/dev/null 2>&1 && smi=(timeout -k 5 "$wait_s" nvidia-smi -L)
   listing=$("${smi[@]}" 2>/dev/null) ||
     die "nvidia-smi -L failed or did not answer within ${wait_s} s; is the NVIDIA driver loaded?"
-  mapfile -t gpus < <(grep -E '^GPU [0-9]+:' <<<"$listing" || true)
+  declare -A gpus=()  # by the index each line names (a card nvidia-smi cannot query prints another line)
+  while IFS= read -r line; do
+    [[ $line =~ ^GPU\ ([0-9]+):\ (.*)$ ]] && gpus[$((10#${BASH_REMATCH[1]}))]=${BASH_REMATCH[2]}
+  done <<<"$listing"
   for id in "${ids[@]}"; do
-    ((10#$id < ${#gpus[@]})) || die "GPU id $id is not below the ${#gpus[@]} GPU(s) that nvidia-smi -L lists"
+    [[ -n ${gpus[$id]+x} ]] || die "GPU id $id is not among the ${#gpus[@]} GPU(s) that nvidia-smi -L lists"
   done
   nproc_per_node=${#ids[@]}
+  if [[ -n ${CUDA_VISIBLE_DEVICES+x} && $CUDA_VISIBLE_DEVICES != "$spec" ]]; then  # (a SLURM allocation's?)
+    echo "launch.sh: warning: CUDA_VISIBLE_DEVICES was '$CUDA_VISIBLE_DEVICES'; the ids given are physical (as nvidia-smi -L numbers them), so it becomes $spec. Inside a SLURM allocation give the ids it set (slurm/train.sbatch does)" >&2
+  fi
   export CUDA_DEVICE_ORDER=PCI_BUS_ID  # CUDA numbers GPUs as nvidia-smi does
   export CUDA_VISIBLE_DEVICES=$spec
   export UNET3D_EXPECT_CUDA=1  # the pre-flight and every rank refuse to run on the CPU instead
@@ -145,14 +158,50 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
   echo "launch.sh: CUDA_DEVICE_ORDER=$CUDA_DEVICE_ORDER CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES, $nproc_per_node process(es), nccl backend"
   for i in "${!ids[@]}"; do
-    line=${gpus[$((10#${ids[$i]}))]}
-    echo "  $who $i -> cuda:$i -> physical GPU ${ids[$i]}: ${line#GPU *: }"
+    echo "  $who $i -> cuda:$i -> physical GPU ${ids[$i]}: ${gpus[${ids[$i]}]}"
   done
 fi
 
-# Pre-flight: one process, no GPU touched (PyTorch asks NVML, not CUDA, whether GPUs exist).
+children() {  # the processes whose parent is $1: the pre-flight's workers, torchrun's ranks
+  local stat fields ppid
+  for stat in /proc/[0-9]*/stat; do
+    read -r fields 2>/dev/null <"$stat" || continue  # (gone meanwhile)
+    fields=${fields##*) }  # past "pid (command) "
+    read -r _ ppid _ <<<"$fields"
+    if [[ $ppid == "$1" ]]; then
+      stat=${stat#/proc/}
+      echo "${stat%/stat}"
+    fi
+  done
+}
+# Made before the pre-flight, so a TMPDIR that does not exist (a login node's, exported) fails nothing late.
+UNET3D_STOP_FILE=$(mktemp "${TMPDIR:-/tmp}/unet3d-stop.XXXXXX" 2>/dev/null || mktemp /tmp/unet3d-stop.XXXXXX) ||
+  die "cannot create a temporary file in ${TMPDIR:-/tmp} or /tmp"
+export UNET3D_STOP_FILE
+trap 'rm -f "$UNET3D_STOP_FILE" "$UNET3D_STOP_FILE".end-*' EXIT  # (.end-*: the ranks' "end the job" marks)
+
+# Pre-flight: one process, no GPU touched (PyTorch asks NVML, not CUDA, whether GPUs exist). In the
+# background, so that a signal meanwhile (bash runs traps only between foreground commands) ends it and its
+# workers with the job at once, instead of leaving it to go on preprocessing without us.
+preflight_pid=''
+before_training() {  # $1: the signal's name, $2: its number
+  echo "launch.sh: SIG$1 before training: the job ends" >&2 || true
+  if [[ -n $preflight_pid ]]; then
+    # shellcheck disable=SC2046  # one pid per word
+    kill -s TERM "$preflight_pid" $(children "$preflight_pid") 2>/dev/null || true
+    wait "$preflight_pid" 2>/dev/null || true
+  fi
+  exit $((128 + $2))
+}
+trap 'before_training INT 2' INT
+trap 'before_training TERM 15' TERM
+trap 'before_training HUP 1' HUP
 WORLD_SIZE=$((nproc_per_node * NNODES)) LOCAL_WORLD_SIZE=$nproc_per_node PYTORCH_NVML_BASED_CUDA_CHECK=1 \
-  "$PYTHON" "$here/train_ddp.py" "$@" --prepare-only || exit $?
+  "$PYTHON" "$here/train_ddp.py" "$@" --prepare-only &
+preflight_pid=$!
+status=0
+wait "$preflight_pid" || status=$?
+((status == 0)) || exit "$status"
 
 # A fresh store for every torchrun restart: with the agent's shared store, a restarted gloo group can read
 # the killed round's peer addresses and fail to connect ("Connection refused") or hang.
@@ -161,7 +210,7 @@ if ((NNODES == 1)) && [[ -z ${MASTER_ADDR:-} ]]; then
   rendezvous=(--standalone)
 else
   rendezvous=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend c10d
-    --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-unet3d}}"
+    --rdzv-endpoint "$MASTER_ADDR:$port" --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-unet3d}}"
     --rdzv-conf "is_host=$((NODE_RANK == 0)),join_timeout=$rdzv_timeout,read_timeout=$rdzv_timeout")
   # Node 0 hosts the store by its rank: torchrun's own guess matches MASTER_ADDR against the hostname's
   # addresses only, so an address on another interface (a cluster's InfiniBand IP) made every node a client,
@@ -175,18 +224,6 @@ fi
 # too), stops passing it on. Every rank that stopped and saved appends "<torchrun restart> <rank>" to
 # UNET3D_STOP_FILE; once the ranks have ended, if all of this node's did so in torchrun's last attempt (the
 # one whose ranks started training last), the stop was graceful: exit code 0. A second signal goes to the ranks alone, and ends them at once.
-children() {  # the processes whose parent is $1: torchrun's ranks
-  local stat fields ppid
-  for stat in /proc/[0-9]*/stat; do
-    read -r fields 2>/dev/null <"$stat" || continue  # (gone meanwhile)
-    fields=${fields##*) }  # past "pid (command) "
-    read -r _ ppid _ <<<"$fields"
-    if [[ $ppid == "$1" ]]; then
-      stat=${stat#/proc/}
-      echo "${stat%/stat}"
-    fi
-  done
-}
 signals=0 trapped=0 pending='' torchrun_pid='' ranks='' exited=0
 forward() {  # $1: the signal received
   trapped=1
@@ -209,9 +246,6 @@ forward() {  # $1: the signal received
     echo "launch.sh: SIG$1: stopping (the ranks finish their step and save; a second signal ends them)" >&2 || true
   fi
 }
-UNET3D_STOP_FILE=$(mktemp "${TMPDIR:-/tmp}/unet3d-stop.XXXXXX")
-export UNET3D_STOP_FILE
-trap 'rm -f "$UNET3D_STOP_FILE"' EXIT
 trap 'forward INT' INT
 trap 'forward TERM' TERM HUP
 "${torchrun[@]}" "${rendezvous[@]}" --nproc-per-node "$nproc_per_node" --max-restarts "$MAX_RESTARTS" \

@@ -232,3 +232,12 @@ def test_validation_comes_every_val_every_epochs_and_after_the_last():
     assert [e for e in range(1, 6) if validation_due(cfg, e, None)] == [2, 4, 5]
     assert validation_due(cfg, 1, StopReason.TIME_LIMIT) and not validation_due(cfg, 2, StopReason.SIGNAL)
     assert not any(validation_due(parse_args(["--fold", "all"]), e, None) for e in range(1, 4))
+
+
+@pytest.mark.parametrize("shortened", ["--he", "--epoch"])
+def test_options_are_never_abbreviated(shortened, capsys):
+    """launch.sh finds --help by its full name (to print it once, not from every rank): `--he` reached the
+    ranks and started the whole job. No option is taken by a prefix of its name."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([shortened, "3"] if shortened == "--epoch" else [shortened])
+    assert exit_.value.code == 2 and f"unrecognized arguments: {shortened}" in capsys.readouterr().err

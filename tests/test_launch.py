@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,8 +68,11 @@ def started(tmp_path, name: str = "torchrun") -> dict | None:
         ("", "empty GPU list"),
         ("1,,2", "empty entry in GPU list '1,,2'"),
         ("2,", "empty entry in GPU list '2,'"),
-        ("4", "GPU id 4 is not below the 4 GPU(s) that nvidia-smi -L lists"),
-        ("0,9", "GPU id 9 is not below the 4 GPU(s)"),
+        ("4", "GPU id 4 is not among the 4 GPU(s) that nvidia-smi -L lists"),
+        ("0,9", "GPU id 9 is not among the 4 GPU(s)"),
+        # "$(nvidia-smi --query-gpu=index ...)" is one id per line: `read` took the first line alone
+        ("0\n1\n2", "GPU list '0\\n1\\n2' holds a space or a line break: give ids separated by commas alone"),
+        ("5, 6", "GPU list '5, 6' holds a space or a line break"),
         ("cpu:0", "cpu:N needs a positive number of processes, got '0'"),
         ("cpu:two", "cpu:N needs a positive number of processes, got 'two'"),
         ("cpu:", "cpu:N needs a positive number of processes, got ''"),
@@ -291,8 +296,9 @@ def test_a_python_given_without_torchrun_also_runs_the_ranks(env, tmp_path):
     assert ranks["argv"][-3:] == [str(REPO / "train_ddp.py"), "--epochs", "1"]
 
 
-def test_a_hung_nvidia_smi_stops_the_launch_with_a_message(env, tmp_path):
-    _script(tmp_path / "bin" / "nvidia-smi", "#!/bin/sh\nsleep 60\n")
+@pytest.mark.parametrize("stuck", ["sleep 60", "trap '' TERM; exec sleep 60"])  # the second ignores SIGTERM
+def test_a_hung_nvidia_smi_stops_the_launch_with_a_message(env, tmp_path, stuck):
+    _script(tmp_path / "bin" / "nvidia-smi", f"#!/bin/sh\n{stuck}\n")
     began = time.monotonic()
     result = run(["bash", "launch.sh", "0", "--epochs", "1"], env={**env, "NVIDIA_SMI_TIMEOUT": "1"}, timeout=30)
     assert result.returncode == 2 and time.monotonic() - began < 20
@@ -319,3 +325,75 @@ def test_the_exit_code_of_the_ranks_is_the_launchers(env, tmp_path):
     """A job whose ranks fail (torchrun exits non-zero once its restarts are spent) must not look successful."""
     result = run(["bash", "launch.sh", "cpu:2", "--epochs", "1"], env={**env, "SPY_EXIT_TORCHRUN": "3"}, timeout=30)
     assert result.returncode == 3 and started(tmp_path) is not None
+
+
+def test_gpus_are_named_by_the_index_nvidia_smi_prints_not_by_line_position(env, tmp_path):
+    """A card nvidia-smi cannot query prints an error line instead of its GPU line: the cards after it were
+    shifted by one (GPU 2 shown with GPU 3's name, GPU 3 refused)."""
+    listing = "\n".join(
+        [GPUS[0], "Unable to determine the device handle for GPU1: 0000:41:00.0: Unknown Error", *GPUS[2:]]
+    )
+    _script(tmp_path / "bin" / "nvidia-smi", f'#!/bin/sh\n[ "$1" = "-L" ] && cat <<"EOF"\n{listing}\nEOF\n')
+    result = run(["bash", "launch.sh", "2,3", "--epochs", "1"], env=env, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert "  rank 0 -> cuda:0 -> physical GPU 2: NVIDIA H100 80GB HBM3 (UUID: GPU-00000002-" in result.stdout
+    assert "  rank 1 -> cuda:1 -> physical GPU 3: NVIDIA H100 80GB HBM3 (UUID: GPU-00000003-" in result.stdout
+    refused = run(["bash", "launch.sh", "1", "--epochs", "1"], env=env, timeout=30)
+    assert refused.returncode == 2 and "GPU id 1 is not among the 3 GPU(s) that nvidia-smi -L lists" in refused.stderr
+
+
+def test_an_inherited_gpu_mask_is_named_when_the_ids_given_replace_it(env, tmp_path):
+    """Inside an allocation that set CUDA_VISIBLE_DEVICES=2,3 (no device cgroups), `launch.sh 0,1` trains on
+    physical 0 and 1, which may be another job's: said, not silent. The same mask given again says nothing."""
+    result = run(["bash", "launch.sh", "0,1", "--epochs", "1"], env={**env, "CUDA_VISIBLE_DEVICES": "2,3"}, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert "launch.sh: warning: CUDA_VISIBLE_DEVICES was '2,3'; the ids given are physical" in result.stderr
+    assert started(tmp_path)["env"]["CUDA_VISIBLE_DEVICES"] == "0,1"
+    same = run(["bash", "launch.sh", "2,3", "--epochs", "1"], env={**env, "CUDA_VISIBLE_DEVICES": "2,3"}, timeout=30)
+    assert same.returncode == 0 and "warning" not in same.stderr, same.stderr
+
+
+def test_a_separator_bad_port_and_missing_tmpdir(env, tmp_path):
+    """`launch.sh cpu -- OPTIONS`: the `--` is not passed on (train_ddp.py refused it as an option never given).
+    MASTER_PORT=abc is refused before the pre-flight. A TMPDIR that does not exist (a login node's, exported)
+    falls back to /tmp instead of failing after the pre-flight."""
+    result = run(["bash", "launch.sh", "cpu", "--", "--epochs", "1"], env={**env, "TMPDIR": "/no/such/dir"}, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert started(tmp_path)["argv"][-2:] == ["--epochs", "1"] and "--" not in started(tmp_path)["argv"]
+    assert started(tmp_path, "python")["argv"][1:] == ["--epochs", "1", "--prepare-only"]
+    assert started(tmp_path)["env"]["UNET3D_STOP_FILE"].startswith("/tmp/unet3d-stop.")
+    bad = run(["bash", "launch.sh", "cpu", "--epochs", "1"], env={**env, "MASTER_PORT": "abc"}, timeout=30)
+    assert bad.returncode == 2 and "MASTER_PORT must be a port number, 1 to 65535, got 'abc'" in bad.stderr
+    assert started(tmp_path, "python")["argv"][1:] == ["--epochs", "1", "--prepare-only"], "(the first run's)"
+
+
+def test_a_signal_during_the_preflight_ends_it_with_the_job(env, tmp_path):
+    """The traps came after the pre-flight, so SIGTERM ended launch.sh and left the pre-flight (a first run's
+    preprocessing) running on without it."""
+    pid_file = tmp_path / "preflight.pid"
+    slow = _script(tmp_path / "slow-python", f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
+    proc = subprocess.Popen(
+        ["bash", "launch.sh", "cpu:2", "--epochs", "1"],
+        cwd=REPO,
+        env={**os.environ, **env, "PYTHON": str(slow)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert time.monotonic() < deadline and proc.poll() is None, "the pre-flight never started"
+            time.sleep(0.05)
+        preflight = int(pid_file.read_text())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143 and "launch.sh: SIGTERM before training: the job ends" in err.decode()
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{preflight}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{preflight}").exists(), "the pre-flight ended with the job"
+    assert started(tmp_path) is None, "no rank started"

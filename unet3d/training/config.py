@@ -355,8 +355,11 @@ def resolve(
 
 def build_parser() -> argparse.ArgumentParser:
     """An argparse parser with one --option per TrainConfig field."""
+    # No abbreviations: launch.sh looks for some options by their full names (--help: once, not from every
+    # rank), so `--he` started the whole job, and a shortened name would mean one thing here, another there.
     parser = argparse.ArgumentParser(
         description="Train a 3D U-Net with DistributedDataParallel (run under torchrun, or alone).",
+        allow_abbrev=False,
     )
     hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     for f in dataclasses.fields(TrainConfig):

@@ -204,10 +204,15 @@ def end_job_without_restart() -> bool:
 
 def _first_to_ask() -> bool:
     """Whether no other rank of this agent's current attempt has asked it to end the job (an exclusive file,
-    named by the run, the agent's pid and the restart count, so a later job never finds it)."""
-    run = re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("TORCHELASTIC_RUN_ID", ""))[:64]
+    named by the agent's pid and the restart count: beside launch.sh's stop file, which it removes with
+    these at exit; under plain torchrun in the temporary folder, named by the run too)."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    marker = Path(tempfile.gettempdir()) / f"unet3d-end-{run}-{os.getppid()}-{restart}"
+    stop_file = os.environ.get(STOP_FILE_ENV)
+    if stop_file:
+        marker = Path(f"{stop_file}.end-{os.getppid()}-{restart}")
+    else:
+        run = re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("TORCHELASTIC_RUN_ID", ""))[:64]
+        marker = Path(tempfile.gettempdir()) / f"unet3d-end-{run}-{os.getppid()}-{restart}"
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except FileExistsError:
