@@ -51,10 +51,16 @@ def one_step(info: dist.DistInfo, out: Path) -> None:
         torch.save({"model": model.state_dict(), "loss": stats.loss, "samples": stats.samples}, out)
 
 
+def plain_then_compiled(info: dist.DistInfo, plain: Path, compiled: Path) -> None:
+    one_step(info, plain)
+    one_step_compiled(info, compiled)
+
+
 def test_two_ranks_half_batch_equal_one_process_whole_batch(tmp_path, alone):
+    """Also through --compile's wrapping (one_step_compiled), by the same two ranks."""
     single = tmp_path / "single.pt"
     one_step(dist.setup(), single)
-    spawn_ranks(one_step, 2, tmp_path / "ddp.pt")
+    spawn_ranks(plain_then_compiled, 2, tmp_path / "ddp.pt", tmp_path / "compiled.pt")
     a = torch.load(single, map_location="cpu", weights_only=True)
     b = torch.load(tmp_path / "ddp.pt", map_location="cpu", weights_only=True)
     assert b["samples"] == a["samples"] == BATCH
@@ -66,6 +72,31 @@ def test_two_ranks_half_batch_equal_one_process_whole_batch(tmp_path, alone):
         torch.testing.assert_close(b["model"][key], value, rtol=1e-5, atol=1e-6, msg=key)
         moved += not torch.equal(value, initial[key])
     assert moved > len(initial) // 2, "the step must change the weights for the comparison to mean anything"
+    # --compile compiles the DDP wrapper: the same step, and the weights saved (the unwrapped model's) carry
+    # neither `module.` nor `_orig_mod.`
+    c = torch.load(tmp_path / "compiled.pt", map_location="cpu", weights_only=True)
+    assert list(c["model"]) == list(a["model"]) and abs(a["loss"] - c["loss"]) < 1e-6 and c["samples"] == BATCH
+    for key, value in a["model"].items():
+        torch.testing.assert_close(c["model"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def one_step_compiled(info: dist.DistInfo, out: Path) -> None:
+    """`one_step` through what --compile trains with: `wrap_for_training`'s torch.compile of the DDP wrapper.
+    Dynamo's eager backend stands in for inductor, whose C++ compilation would take a minute here: the
+    graph capture around DDP, its gradient hooks and the unwrapped model's checkpoint keys are the same."""
+    import functools
+
+    from unet3d.training.runtime import wrap_for_training
+
+    torch.compile = functools.partial(torch.compile, backend="eager")  # this spawned process's own torch
+    torch.manual_seed(0)
+    model = UNet3D(1, 3, (4, 8, 16))
+    rt = runtime(info, 1, compile=True)
+    wrapped = wrap_for_training(rt, model)
+    assert type(wrapped).__name__ == "OptimizedModule" and isinstance(wrapped._orig_mod, DDP)
+    stats = train_one_epoch(rt, state_for(rt, model), wrapped, DiceCELoss(), [my_share(info)], control_for(rt))
+    if info.is_main:
+        torch.save({"model": model.state_dict(), "loss": stats.loss, "samples": stats.samples}, out)
 
 
 def test_half_batch_alone_differs(tmp_path, alone):
