@@ -127,6 +127,7 @@ def test_the_agent_is_asked_to_end_the_job_once_per_attempt_however_many_ranks_a
     sent = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("UNET3D_STOP_FILE", raising=False)  # plain torchrun: marks in the temporary folder
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/42")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     monkeypatch.setattr(os, "getppid", lambda: 4242)
@@ -137,5 +138,9 @@ def test_the_agent_is_asked_to_end_the_job_once_per_attempt_however_many_ranks_a
     monkeypatch.setattr(os, "getppid", lambda: 4343)
     assert control.end_job_without_restart()
     assert sent == [(4242, signal.SIGTERM), (4242, signal.SIGTERM), (4343, signal.SIGTERM)]
+    # under launch.sh: beside its stop file, which it removes with them at exit
+    monkeypatch.setenv("UNET3D_STOP_FILE", str(tmp_path / "unet3d-stop.abc"))
+    assert control.end_job_without_restart() and control.end_job_without_restart()
+    assert len(sent) == 4 and [p.name for p in tmp_path.glob("unet3d-stop.abc.end-*")] == ["unet3d-stop.abc.end-4343-1"]
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert not control.end_job_without_restart(), "not started by torchrun: nobody to ask"
