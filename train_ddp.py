@@ -42,6 +42,7 @@ from unet3d.training.control import (
     fail_alone,
     fail_together,
     launch_time,
+    schedule_start,
     tell_the_launcher,
 )
 from unet3d.training.epoch import train_one_epoch
@@ -114,24 +115,40 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     del checkpoint  # its host copy of the weights and moments is no longer needed
     validates = ever_validates(rt.cfg)  # a budget keeps room for a last validation only where one comes
     launches = dist.all_gather_object(launch_time())  # every rank: when launch.sh started on each node
-    state.budget = TimeBudget.for_job(
-        rt.cfg.time_limit, state.budget, started, state.schedule.progress, validates, launches
-    )
+    saved_budget, saved_progress = state.budget, state.schedule.progress
+    epoch_progress = (state.epoch + state.step / rt.steps_per_epoch) / rt.cfg.epochs
+    state.budget = TimeBudget.for_job(rt.cfg.time_limit, saved_budget, started, epoch_progress, validates, launches)
+    progress = schedule_start(saved_budget, state.budget, saved_progress, epoch_progress)
+    if progress < saved_progress - 1e-3:
+        state.schedule.set_progress(progress)
+        get_logger().warning(
+            f"the learning-rate schedule resumes at {progress:.3f} of this run ({state.epoch} of {rt.cfg.epochs} "
+            f"epochs), where the checkpoint's stood at {saved_progress:.3f} (annealed over a time budget, or "
+            f"fewer --epochs): the learning rate goes back up to {state.schedule.get_last_lr()[0]:.2e}"
+        )
     model = wrap_for_training(rt, state.model)
     first_step = state.epoch * rt.steps_per_epoch + state.step
     loss_fn = inject_faults(build_loss(rt.cfg.loss, state.model), info.rank, first_step)
     loader = make_loader(rt, train_cases, data.plan.acquisition_channel)
     control = StepControl(rt.device, rt.cfg.max_bad_steps, state.budget, started)
-    control.progress_floor = state.schedule.progress
+    control.progress_floor = progress
     if rt.cfg.profile and (rt.is_main or rt.cfg.profile_every_rank):
         control.profiler = profiler(rt.cfg.profile, rt.out_dir, rt.device)
     reporter = Reporter(rt, state, data.spec.class_names) if rt.is_main else None
 
-    stats = None
+    stats, pending = None, state.validation_pending and validates
     tell_the_launcher(starting=True)  # this torchrun attempt is the one whose stop lines count
     try:
         with control.running():  # SIGTERM/SIGINT: every rank finishes the step, saves and stops
-            while state.epoch < rt.cfg.epochs:
+            if pending:  # a stop signal cut the last epoch's validation short: it comes first now
+                val = run_validation(rt, state.model, val_cases, data.spec.num_classes, control)
+                if val is not None:
+                    is_best = state.record(val.mean_dice)
+                    state.validation_pending = pending = False
+                    if rt.is_main:
+                        reporter.validation(state.epoch, val, is_best)
+                    save_checkpoints(rt, state, is_best)
+            while state.epoch < rt.cfg.epochs and not pending:
                 loader.sampler.set_epoch(state.epoch, skip=state.step * rt.cfg.batch_size)  # a new order each epoch
                 stats = train_one_epoch(rt, state, model, loss_fn, loader, control)  # advances state
                 val, given_up = None, False
@@ -139,10 +156,13 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
                     val = run_validation(rt, state.model, val_cases, data.spec.num_classes, control)
                     given_up = val is None  # a stop signal came during it: the epoch is kept, not validated
                 is_best = state.record(val.mean_dice if val is not None else None)
-                if rt.is_main:
+                state.validation_pending = given_up  # made up for by the run that resumes from this one
+                if rt.is_main:  # TensorBoard before the checkpoint: a run killed between the two redoes the
+                    # epoch and purges them first; the other way round they were lost for good
                     reporter.step_losses(stats)
+                    reporter.board(stats, val)
                 save_checkpoints(rt, state, is_best)
-                if rt.is_main:
+                if rt.is_main:  # the epoch line once it is saved
                     reporter.epoch(stats, val, is_best)
                 if given_up:
                     stats = dataclasses.replace(stats, stopped=StopReason.SIGNAL)
@@ -152,6 +172,13 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
         close_loader(loader)
         if reporter is not None:
             reporter.close()
+    if pending:  # stopped again during the made-up validation: the epoch stays saved, still to be validated
+        get_logger().info(
+            f"stopped by a stop signal while validating epoch {state.epoch}; run the same command again to validate "
+            "it and continue"
+        )
+        tell_the_launcher(StopReason.SIGNAL)
+        return 0
     get_logger().info(closing_words(rt, state, stats))
     tell_the_launcher(stats.stopped if stats is not None else None)
     return 0

@@ -79,6 +79,32 @@ class RunData:
         return replace(self, plan=plan)
 
 
+def keep_split(run: RunData, saved: dict[str, list[str]] | None) -> tuple[RunData, str | None]:
+    """A resumed run's split: the validation cases its checkpoint validated on (`saved`, the names of its
+    "train" and "val"), where the data's split now differs (a case added or removed, another --seed), and
+    every other case trains; with a note naming what changed. Recomputed, the split moved cases trained on
+    into validation and the other way round, and best.pt went on being chosen against a Dice measured on
+    other cases. As recomputed when nothing differs, with --fold all, or when none of those cases is left."""
+    if not saved or run.fold_all or "val" not in saved:
+        return run, None
+    by_name = {c.name: c for c in run.spec.training}
+    kept = [by_name[n] for n in saved["val"] if n in by_name]
+    if not kept or [c.name for c in kept] == [c.name for c in run.val] and len(kept) == len(saved["val"]):
+        return run, None
+    held = {c.name for c in kept}
+    train = [c for c in run.spec.training if c.name not in held]
+    known = set(saved.get("train", [])) | set(saved["val"])
+    added = sorted(set(by_name) - known)
+    gone = sorted(known - set(by_name))
+    note = (
+        f"the data's split differs from the checkpoint's ({', '.join(c.name for c in run.val)} would validate): "
+        f"keeping its {len(kept)} validation case(s), {', '.join(sorted(held))}"
+        + (f"; new case(s) {', '.join(added[:10])} train" if added else "")
+        + (f"; case(s) {', '.join(gone[:10])} are gone" if gone else "")
+    )
+    return replace(run, train=train, val=kept), note
+
+
 def default_cache_dir(data_dir: Path) -> Path:
     digest = hashlib.sha1(str(data_dir.resolve()).encode()).hexdigest()[:8]
     return Path("runs/cache") / f"{data_dir.resolve().name}-{digest}"

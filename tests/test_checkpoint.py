@@ -15,7 +15,7 @@ from tests.helpers import spawn_ranks
 from unet3d import UNet3D
 from unet3d.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, strip_wrapper_prefixes
 from unet3d.training import dist
-from unet3d.training.checkpointing import LAST, PREVIOUS, find_resume
+from unet3d.training.checkpointing import LAST, PREVIOUS, checkpoint_dir, find_resume
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -240,3 +240,108 @@ def test_trained_steps_of_a_checkpoint_from_before_they_were_counted():
     assert trained_steps(old) == 48
     assert trained_steps({**old, "trained_steps": 50}) == 50
     assert trained_steps({"epoch": 2, "config": {}}) == 0, "format 1 without the fields: from 0, no crash"
+
+
+def test_resume_path_is_left_for_the_runs_own_checkpoint_once_it_has_trained_on_from_it(tmp_path):
+    """`--resume other/best.pt --out-dir OUT`: the first start loads PATH. A torchrun restart, or the same
+    command after a stop, went back to PATH and trained its epochs again; OUT's last.pt records that it started
+    from PATH (`resumed_from`), and continues instead. A last.pt of another start still yields to PATH."""
+    state = {k: {} for k in ("model", "optimizer", "scheduler", "scaler", "config", "model_args")}
+    other = tmp_path / "other" / "checkpoints" / "best.pt"
+    save_checkpoint({**state, "epoch": 2, "best_metric": 0.5}, other)
+    out = tmp_path / "out"
+    warnings: list[str] = []
+    assert find_resume(str(other), out, "cpu", warnings.append)[0] == other, "a fresh folder: PATH"
+    own = checkpoint_dir(out) / LAST
+    save_checkpoint({**state, "epoch": 3, "best_metric": 0.1, "resumed_from": str(other.resolve())}, own)
+    path, found = find_resume(str(other), out, "cpu", warnings.append)
+    assert path == own and found["epoch"] == 3
+    assert warnings == [f"--resume {other}: continuing from {own}, this run's own, which trained on from it"]
+    save_checkpoint({**state, "epoch": 3, "best_metric": 0.1, "resumed_from": None}, own)
+    assert find_resume(str(other), out, "cpu", warnings.append)[0] == other, "not started from PATH: PATH"
+
+
+def test_a_resume_from_another_folder_chooses_best_pt_afresh_and_records_where_it_started(tmp_path):
+    """That run's best Dice (say 0.9, on its own validation) kept this folder from ever writing best.pt, while
+    the closing words named a best.pt that did not exist."""
+    from tests.helpers import runtime, state_for
+    from unet3d.training.checkpointing import resume
+    from unet3d.training.report import closing_words
+
+    info = dist.DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    rt = runtime(info, 2, out_dir=str(tmp_path / "new"))
+    torch.manual_seed(0)
+    state = state_for(rt, UNet3D(1, 3, (4, 8)))
+    state.epoch, state.best_metric = 2, 0.9
+    source = tmp_path / "old" / "checkpoints" / "best.pt"
+    save_checkpoint(state.state_dict(world_size=1, rng_states=[]), source)
+    checkpoint = load_checkpoint(source, "cpu")
+    for resume_option, best in ((str(source), -float("inf")), ("auto", 0.9)):
+        rt = runtime(info, 2, out_dir=str(tmp_path / "new"), resume=resume_option)
+        fresh = state_for(rt, UNet3D(1, 3, (4, 8)))
+        resume(rt, fresh, checkpoint, source)
+        assert fresh.epoch == 2 and fresh.best_metric == best, resume_option
+    assert fresh.resumed_from is None, "auto: the checkpoint's own record (it had none)"
+    rt = runtime(info, 2, out_dir=str(tmp_path / "new"), resume=str(source))
+    fresh = state_for(rt, UNet3D(1, 3, (4, 8)))
+    resume(rt, fresh, checkpoint, source)
+    assert fresh.resumed_from == str(source.resolve())
+    assert fresh.state_dict(world_size=1, rng_states=[])["resumed_from"] == str(source.resolve())
+    fresh.best_metric = 0.7  # recorded, but no best.pt in this folder
+    assert "best mean Dice" not in closing_words(rt, fresh, None)
+
+
+def test_a_resume_applies_this_runs_lr_momentum_and_weight_decay(tmp_path):
+    """load_state_dict put the checkpoint's hyperparameters back: a resume with --lr 0.1 trained on at the old
+    rate while the warning named lr as changed."""
+    from tests.helpers import runtime, state_for
+
+    info = dist.DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    torch.manual_seed(0)
+    old = state_for(runtime(info, 2, lr=0.01, momentum=0.9, weight_decay=3e-5), UNet3D(1, 3, (4, 8)))
+    old.schedule.set_progress(0.5)
+    checkpoint = old.state_dict(world_size=1, rng_states=[])
+    new = state_for(runtime(info, 2, lr=0.1, momentum=0.5, weight_decay=0.01), UNet3D(1, 3, (4, 8)))
+    new.load(checkpoint, source="c.pt", rank=0, world_size=1, warn=lambda m: None)
+    group = new.optimizer.param_groups[0]
+    assert (group["momentum"], group["weight_decay"]) == (0.5, 0.01) and new.schedule.base_lrs == [0.1]
+    assert group["lr"] == pytest.approx(0.1 * 0.5**0.9), "the new rate at the checkpoint's progress"
+
+
+def test_the_optimizer_cannot_change_on_resume():
+    """SGD's state failed to load into AdamW ('step'), AdamW's in SGD at the first step ('momentum')."""
+    import dataclasses
+
+    from unet3d.training.checkpointing import check_compatible
+    from unet3d.training.config import TrainConfig
+
+    saved = dataclasses.asdict(TrainConfig(optimizer="sgd"))
+    args = {"in_channels": 1, "num_classes": 3}
+    state = {"config": saved, "model_args": args, "world_size": 1, "step": 0}
+    with pytest.raises(CheckpointError, match=r"optimizer \(checkpoint sgd, now adamw\)"):
+        check_compatible(state, {**saved, "optimizer": "adamw"}, args, 1, Path("last.pt"))
+
+
+def test_best_pt_is_written_before_last_pt(tmp_path, monkeypatch):
+    """A crash between the two left a last.pt carrying the new best_metric beside an older best.pt, which later
+    epochs, compared with that best_metric, never replaced."""
+    from types import SimpleNamespace
+
+    from unet3d.training import checkpointing
+
+    written = []
+    monkeypatch.setattr(checkpointing, "save_checkpoint", lambda state, path, previous=None: written.append(path.name))
+    state = SimpleNamespace(model=UNet3D(1, 2, (4, 8)), state_dict=lambda **kwargs: {})
+    rt = SimpleNamespace(out_dir=tmp_path, device=torch.device("cpu"), world_size=1)
+    checkpointing.save_checkpoints(rt, state, is_best=True)
+    assert written == ["best.pt", "last.pt"]
+
+
+def test_an_unreadable_last_pt_passed_over_is_kept_aside_not_made_previous_pt(tmp_path):
+    from unet3d.training.checkpointing import resume_source
+    from unet3d.training.config import TrainConfig
+
+    last = _write_pair(tmp_path / "checkpoints")
+    last.write_bytes(b"junk")
+    assert resume_source(TrainConfig(out_dir=str(tmp_path))) == str(tmp_path / "checkpoints" / PREVIOUS)
+    assert (tmp_path / "checkpoints" / "last.pt.unreadable").read_bytes() == b"junk" and not last.exists()

@@ -55,6 +55,11 @@ def test_parse_types_and_patch_forms():
         (["--fold", "\u00b2"], "--fold must be all or a fold number, got '\u00b2'"),  # a digit to isdigit()
         (["--val-overlap", "0.99"], "--val-overlap must be in [0, 0.9], got 0.99 (each voxel is predicted in"),
         (["--synthetic-cases", "1"], "--synthetic-cases must be >= 2 and --synthetic-size >= 8, got 1 and 64"),
+        # beyond these: failures late and obscure (10^12 samples: 8 TB for the sample order at the first epoch)
+        (["--samples-per-epoch", "1000000000000"], "--samples-per-epoch must be <= 10000000, got 1000000000000"),
+        (["--batch-size", "1000000000"], "--batch-size must be <= 4096, got 1000000000"),
+        (["--num-workers", "100000"], "--num-workers must be <= 256, got 100000"),
+        (["--synthetic-size", "1000000"], "--synthetic-size must be <= 1024, got 1000000"),
     ],
 )
 def test_bad_values_exit_2_naming_the_value(argv, message, capsys):

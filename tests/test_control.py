@@ -144,3 +144,18 @@ def test_the_agent_is_asked_to_end_the_job_once_per_attempt_however_many_ranks_a
     assert len(sent) == 4 and [p.name for p in tmp_path.glob("unet3d-stop.abc.end-*")] == ["unet3d-stop.abc.end-4343-1"]
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert not control.end_job_without_restart(), "not started by torchrun: nobody to ask"
+
+
+def test_a_resumed_schedule_goes_on_where_it_stood_only_within_one_job():
+    """A torchrun restart keeps the time budget and the schedule's place in it. A new job (after a time
+    budget annealed the schedule to its end), or a resume given more --epochs, starts at the epochs trained:
+    holding the old end as a floor trained the whole next job at a learning rate near zero."""
+    from unet3d.training.control import schedule_start
+
+    saved = TimeBudget(limit_s=100, start_wall=10.0, start_progress=0.0, run_id="a")
+    same = TimeBudget(limit_s=100, start_wall=10.0, start_progress=0.0, run_id="a")
+    new = TimeBudget(limit_s=100, start_wall=500.0, start_progress=0.3, run_id="b")
+    assert schedule_start(saved, same, saved_progress=0.97, epoch_progress=0.3) == 0.97
+    assert schedule_start(saved, new, saved_progress=0.97, epoch_progress=0.3) == 0.3
+    assert schedule_start(None, None, saved_progress=0.97, epoch_progress=0.5) == 0.5, "2 of 2 epochs, now of 4"
+    assert schedule_start(None, None, saved_progress=0.47, epoch_progress=0.5) == 0.5, "an unchanged resume"

@@ -688,3 +688,21 @@ def test_cases_whose_header_records_no_orientation_are_named_when_reoriented(tin
     warning = unoriented_cases(found, "RAS")
     assert warning.startswith("1 training case(s) record no orientation (qform_code and sform_code 0)")
     assert "synth_003" in warning and unoriented_cases(found, "none") is None
+
+
+def test_a_resumed_run_keeps_its_checkpoints_validation_cases_when_the_data_splits_otherwise(tiny_dataset, tmp_path):
+    """A case added to the dataset (or another --seed) recomputed the split: cases trained on moved into
+    validation, and best.pt went on being chosen against a Dice measured on other cases."""
+    from data.prepare import RunData, keep_split
+
+    spec = load_dataset_json(tiny_dataset)
+    cases = list(spec.training)
+    run = RunData(tiny_dataset, spec, cases[2:], cases[:2], tmp_path)
+    same = {"train": [c.name for c in cases[2:]], "val": [c.name for c in cases[:2]]}
+    assert keep_split(run, same) == (run, None) and keep_split(run, None) == (run, None)
+    saved = {"train": [c.name for c in cases[:1] + cases[2:4]], "val": [cases[1].name, cases[4].name]}
+    kept, note = keep_split(run, saved)
+    assert [c.name for c in kept.val] == [cases[1].name, cases[4].name]
+    assert sorted(c.name for c in kept.train) == sorted(c.name for c in cases if c not in (cases[1], cases[4]))
+    assert f"keeping its 2 validation case(s), {cases[1].name}, {cases[4].name}" in note
+    assert f"new case(s) {cases[5].name} train" in note, "the case the checkpoint never saw"

@@ -398,7 +398,9 @@ def test_a_rank_that_finds_no_usable_gpu_ends_the_job_once_without_restarts(shar
     env = {"CUDA_VISIBLE_DEVICES": "", "UNET3D_EXPECT_CUDA": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     result = run(command, env={**env, "OMP_NUM_THREADS": "1"}, timeout=60)
     assert result.returncode != 0
-    assert result.stderr.count("error: launch.sh was given GPUs (CUDA_VISIBLE_DEVICES=)") == 2, result.stderr
+    said = result.stderr.count("error: launch.sh was given GPUs (CUDA_VISIBLE_DEVICES=)")
+    # rank 0's request may end rank 1 before it has said so itself; each restart would have said it again
+    assert 1 <= said <= 2, result.stderr
     assert 'train_ddp.py", line' not in result.stderr, "a message, not a rank's traceback"
 
 
@@ -448,6 +450,32 @@ def test_resuming_with_more_epochs_continues_and_names_the_changed_setting(share
     assert "resuming with changed settings: epochs" in result.stdout, result.stdout
     assert "2 epoch(s) and 0 step(s) done" in result.stdout and "epoch 3/3:" in result.stdout
     assert "epoch 1/3:" not in result.stdout and checkpoint(out)["epoch"] == 3
+    # the schedule is laid over the 3 epochs: it resumes at 2/3 of them (the poly rate at 2/3 of 1e-2), not
+    # held at the 2-epoch run's end
+    assert "the learning-rate schedule resumes at 0.667 of this run (2 of 3 epochs)" in result.stdout
+    assert f"the learning rate goes back up to {0.01 * (1 / 3) ** 0.9:.2e}" in result.stdout
+
+
+def test_a_validation_a_stop_signal_cut_short_is_made_up_for_on_resuming(shared, uninterrupted, tmp_path):
+    """Stopped during the last epoch's validation, the epoch was saved unvalidated, and the resumed run (no
+    epoch left) ended without it: no val/ scalars, best.pt never chosen on the final model. The checkpoint
+    records the pending validation (here set on a finished run's last.pt, as such a stop leaves it)."""
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    shutil.rmtree(out / "tensorboard")
+    saved = checkpoint(out)
+    torch.save({**saved, "validation_pending": True, "best_metric": -1.0}, out / "checkpoints" / "last.pt")
+    (out / "checkpoints" / "best.pt").unlink()
+    result = launch(*options(shared, out, 2), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "epoch 2 validated on resuming: val Dice" in result.stdout and "new best" in result.stdout
+    assert "epoch 1/2:" not in result.stdout and "epoch 2/2:" not in result.stdout, "nothing trained again"
+    after = checkpoint(out)
+    assert after["validation_pending"] is False and after["epoch"] == 2 and after["best_metric"] >= 0
+    assert checkpoint(out, "best.pt")["best_metric"] == after["best_metric"]
+    board = EventAccumulator(str(out / "tensorboard"))
+    board.Reload()
+    assert [e.step for e in board.Scalars("val/mean_dice")] == [2]
 
 
 def test_resuming_with_another_architecture_names_the_fields(shared, uninterrupted, tmp_path):

@@ -9,6 +9,7 @@ ones), every rank loads it onto its own device into the unwrapped model, before 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,9 +28,11 @@ from unet3d.training.runtime import Runtime
 from unet3d.training.state import TrainState
 
 LAST, PREVIOUS, BEST = "last.pt", "previous.pt", "best.pt"
+UNREADABLE = "last.pt.unreadable"
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "best_metric", "config", "model_args")
 # A checkpoint of another architecture, class set or patch cannot be continued.
-STRICT_FIELDS = ("features", "patch_size", "fold", "deep_supervision")
+# The optimizer too: SGD's state in AdamW failed at load ('step'), AdamW's in SGD at the first step ('momentum').
+STRICT_FIELDS = ("features", "patch_size", "fold", "deep_supervision", "optimizer")
 # Continuing in the middle of an epoch needs the epoch's sample order: the same sharding and batches.
 POSITION_FIELDS = ("batch_size", "samples_per_epoch", "seed")
 # Settings that may change between runs without a word.
@@ -62,16 +65,24 @@ def save_checkpoints(rt: Runtime, state: TrainState, is_best: bool) -> None:
 
     def write() -> None:
         checkpoint = state.state_dict(world_size=rt.world_size, rng_states=rng_states)
-        save_checkpoint(checkpoint, folder / LAST, previous=folder / PREVIOUS)
-        if is_best:
+        if is_best:  # first: a last.pt that carries the new best_metric never stands beside an older best.pt
             save_checkpoint(checkpoint, folder / BEST)
+        save_checkpoint(checkpoint, folder / LAST, previous=folder / PREVIOUS)
 
     dist.run_on_main(write)
 
 
 def resume_source(cfg: TrainConfig) -> str | None:
-    """The checkpoint to continue from, or None (rank 0 decides, falling back past unreadable files)."""
+    """The checkpoint to continue from, or None (rank 0 decides, falling back past unreadable files).
+
+    A last.pt passed over for previous.pt is renamed last.pt.unreadable: the next save would otherwise keep
+    it as previous.pt in place of the good one, and for an epoch the only older checkpoint would be the bad one.
+    """
     found = find_resume(cfg.resume, cfg.out_dir, "cpu", get_logger().warning)
+    folder = checkpoint_dir(cfg.out_dir)
+    if found is not None and found[0] == folder / PREVIOUS and (folder / LAST).exists():
+        (folder / LAST).replace(folder / UNREADABLE)
+        get_logger().warning(f"kept the unreadable {folder / LAST} as {folder / UNREADABLE}")
     return str(found[0]) if found is not None else None
 
 
@@ -110,8 +121,20 @@ def check_resumable(
 
 
 def resume(rt: Runtime, state: TrainState, checkpoint: dict[str, Any], source: Path) -> None:
-    """Load `checkpoint` (read onto this rank's device) into `state`, before DDP wraps its model."""
+    """Load `checkpoint` (read onto this rank's device) into `state`, before DDP wraps its model.
+
+    From the file `--resume PATH` names, the state records it (`resumed_from`), so that a restart or a rerun
+    of the same command continues this run's own last.pt instead of going back to PATH; and from another
+    run folder's checkpoint, this folder's best.pt is chosen afresh (that best Dice was that run's)."""
     state.load(checkpoint, source=str(source), rank=rt.dist.rank, world_size=rt.world_size, warn=get_logger().warning)
+    if rt.cfg.resume not in ("auto", "none") and Path(rt.cfg.resume).resolve() == source.resolve():
+        state.resumed_from = str(source.resolve())
+        if source.resolve().parent != checkpoint_dir(rt.out_dir).resolve() and state.best_metric > -math.inf:
+            get_logger().info(
+                f"{source} is another run's: its best validation Dice ({state.best_metric:.4f}) is not this "
+                f"folder's, whose best.pt is chosen afresh"
+            )
+            state.best_metric = -math.inf
     get_logger().info(f"resumed from {source}: {state.epoch} epoch(s) and {state.step} step(s) done")
 
 
@@ -119,16 +142,25 @@ def find_resume(resume: str, out_dir: str | Path, device, warn: Callable[[str], 
     """The checkpoint to continue from and its content, or None to start fresh.
 
     `auto`: last.pt, falling back to previous.pt (with a warning naming the unreadable file); files that
-    exist but none of which can be read are an error. `none`: start over. A path: that file or an error.
+    exist but none of which can be read are an error. `none`: start over. A path: that file or an error,
+    unless this run folder's own last.pt (or previous.pt) started from that file: then the run has trained
+    on from it (a torchrun restart, or the same command run again after a stop), and continues its own.
     """
     if resume == "none":
         return None
+    folder = checkpoint_dir(out_dir)
     if resume == "auto":
-        folder = checkpoint_dir(out_dir)
         return load_resumable([folder / LAST, folder / PREVIOUS], device, REQUIRED_KEYS, warn)
     path = Path(resume)
     if not path.is_file():
         raise FileNotFoundError(f"--resume {resume}: no such checkpoint")
+    try:
+        own = load_resumable([folder / LAST, folder / PREVIOUS], device, REQUIRED_KEYS, lambda message: None)
+    except CheckpointError:
+        own = None
+    if own is not None and own[0].resolve() != path.resolve() and own[1].get("resumed_from") == str(path.resolve()):
+        warn(f"--resume {resume}: continuing from {own[0]}, this run's own, which trained on from it")
+        return own
     found = load_resumable([path], device, REQUIRED_KEYS, lambda message: None)
     assert found is not None
     return found

@@ -23,6 +23,17 @@ from unet3d.inference.sliding_window import overlap_problem
 
 MAX_FEATURES = 4096  # channels of one level: far beyond any GPU's memory for a 3D U-Net
 MAX_LR = 1000.0  # above this a learning rate (or weight decay) is a typo, and overflows float32 updates
+# --samples-per-epoch 10^12 was accepted and failed at the first epoch allocating 8 TB for the sample order
+UPPER_BOUNDS = {
+    "batch_size": 4096,
+    "samples_per_epoch": 10**7,
+    "epochs": 10**6,
+    "val_every": 10**6,
+    "max_bad_steps": 10**6,
+    "num_workers": 256,
+    "synthetic_cases": 10**4,
+    "synthetic_size": 1024,
+}
 MAX_TIMEOUT_S = 7 * 86400.0  # --dist-timeout and --setup-timeout: a week (datetime.timedelta must hold it)
 
 CHOICES = {
@@ -245,6 +256,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        for name, most in UPPER_BOUNDS.items():  # beyond these a value is a typo, and fails late and obscurely
+            value = getattr(self, name)
+            if value is not None and value > most:
+                raise ValueError(f"--{name.replace('_', '-')} must be <= {most}, got {value}")
         if self.lr is not None and not 0 < self.lr <= MAX_LR:
             raise ValueError(f"--lr must be in (0, {MAX_LR:g}], got {self.lr}")
         if self.momentum is not None and not 0 <= self.momentum < 1:

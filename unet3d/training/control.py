@@ -159,6 +159,22 @@ class TimeBudget:
         return budget
 
 
+def schedule_start(
+    saved_budget: TimeBudget | None, budget: TimeBudget | None, saved_progress: float, epoch_progress: float
+) -> float:
+    """Where a resumed run's learning-rate schedule stands: where it stood, within one job (a torchrun restart,
+    which keeps its time budget); otherwise at the epochs trained of this run's --epochs. The schedule's own
+    record was a floor before, which kept a job after a time-limited one (annealed to its end) at a learning
+    rate near zero, and a resume with more --epochs at the old run's last rate."""
+    same_job = (
+        saved_budget is not None
+        and budget is not None
+        and (budget.start_wall, budget.run_id, budget.limit_s)
+        == (saved_budget.start_wall, saved_budget.run_id, saved_budget.limit_s)
+    )
+    return saved_progress if same_job else min(max(epoch_progress, 0.0), 1.0)
+
+
 def launch_time() -> float | None:
     """When launch.sh started on this node (`UNET3D_LAUNCH_TIME`, kept by every torchrun restart it runs), or
     None for a job started without it."""

@@ -12,7 +12,17 @@ from data.cache import open_case
 from data.dataset import EpochSampler, PatchDataset, ignore_stop_signals
 from data.patches import PreparedCase
 from data.plan import Plan, PlanRequest, crop_losses, oblique_cases, plan_differences, unoriented_cases
-from data.prepare import DatasetError, RunData, build, fingerprints, inspect, plan_data, resolve_data, unique
+from data.prepare import (
+    DatasetError,
+    RunData,
+    build,
+    fingerprints,
+    inspect,
+    keep_split,
+    plan_data,
+    resolve_data,
+    unique,
+)
 from unet3d.training import dist
 from unet3d.training.checkpointing import saved_plan
 from unet3d.training.config import TrainConfig, plan_request
@@ -31,6 +41,9 @@ def prepare_data(cfg: TrainConfig, info: dist.DistInfo, checkpoint: dict[str, An
     (made from the fingerprints, or the one `checkpoint` was trained with), handed to every rank.
     """
     run = resolve_data(cfg.data(), lambda make: dist.run_on_local_main(make, info))
+    run, note = keep_split(run, (checkpoint or {}).get("split"))
+    if note:
+        get_logger().warning(f"warning: {note}")
     request = plan_request(cfg, info.device.type)
     _raise_gathered(run, inspect(run, request, info.local_rank, info.local_world_size))
     plan = dist.run_on_main(lambda: choose_plan(run, request, checkpoint))

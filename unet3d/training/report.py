@@ -40,10 +40,16 @@ class Reporter:
         one killed before the checkpoint has them purged by the run that resumes from the one before."""
         log_steps(self.steps, stats)
 
-    def epoch(self, stats: EpochStats, val: ValResult | None, is_best: bool) -> None:
-        """The epoch line; TensorBoard for every completed epoch and every validated one; diagnoses."""
+    def board(self, stats: EpochStats, val: ValResult | None) -> None:
+        """TensorBoard for every completed epoch and every validated one: before the epoch's checkpoint, as
+        the step losses, so that a run killed between the two has them purged and logged again by the run
+        that resumes (after it, they were lost for good)."""
         if stats.stopped is None or val is not None:
             log_epoch(self.writer, stats, val, self.class_names)
+
+    def epoch(self, stats: EpochStats, val: ValResult | None, is_best: bool) -> None:
+        """The epoch line, once its checkpoint is written (a line "epoch N/M:" means the epoch is saved), and
+        each diagnosis once."""
         log = get_logger()
         log.info(epoch_summary(self.epochs, stats, val, self.class_names, is_best))
         if stats.epoch > 1 or stats.epoch == self.epochs:  # the first epoch also pays for the start
@@ -51,6 +57,14 @@ class Reporter:
                 if kind not in self.said:
                     self.said.add(kind)
                     log.warning(f"diagnosis: {words}")
+
+    def validation(self, epoch: int, val: ValResult, is_best: bool) -> None:
+        """The validation a stop signal cut short, made up for after the resume: its line and TensorBoard."""
+        log_validation(self.writer, epoch, val, self.class_names)
+        self.writer.flush()
+        per_class = ", ".join(f"{n} {v:.3f}" for n, v in zip(self.class_names[1:], val.per_class))
+        best = " new best" if is_best else ""
+        get_logger().info(f"epoch {epoch} validated on resuming: val Dice {val.mean_dice:.4f} ({per_class}){best}")
 
     def close(self) -> None:
         self.writer.close()
@@ -103,12 +117,17 @@ def log_epoch(writer, stats: EpochStats, val: ValResult | None, class_names: Seq
     for tag, value in stats.timing.scalars().items():
         writer.add_scalar(tag, value, done)
     if val is not None:
-        for name, value in zip(class_names[1:], val.per_class):
-            writer.add_scalar(f"val/dice_{name}", value, done)
-        writer.add_scalar("val/mean_dice", val.mean_dice, done)
-        if val.preview is not None:
-            writer.add_image("val/overlay", picture([overlay(val.preview)], class_names), done, dataformats="HWC")
+        log_validation(writer, done, val, class_names)
     writer.flush()
+
+
+def log_validation(writer, epoch: int, val: ValResult, class_names: Sequence[str]) -> None:
+    """TensorBoard: the validation Dice of the model after `epoch` epochs, and a mid-slice overlay."""
+    for name, value in zip(class_names[1:], val.per_class):
+        writer.add_scalar(f"val/dice_{name}", value, epoch)
+    writer.add_scalar("val/mean_dice", val.mean_dice, epoch)
+    if val.preview is not None:
+        writer.add_image("val/overlay", picture([overlay(val.preview)], class_names), epoch, dataformats="HWC")
 
 
 def closing_words(rt: Runtime, state: TrainState, stats: EpochStats | None) -> str:
@@ -120,6 +139,7 @@ def closing_words(rt: Runtime, state: TrainState, stats: EpochStats | None) -> s
             f"of epoch {stats.epoch}; checkpoint {folder / LAST} records the position: run the same command "
             "again to continue"
         )
-    best = f"; best mean Dice {state.best_metric:.4f}: {folder / BEST}" if state.best_metric > -math.inf else ""
+    written = state.best_metric > -math.inf and (folder / BEST).is_file()
+    best = f"; best mean Dice {state.best_metric:.4f}: {folder / BEST}" if written else ""
     board = rt.out_dir / "tensorboard"
     return f"done. checkpoint: {folder / LAST}{best}\nTensorBoard logs: {board} (tensorboard --logdir {board})"

@@ -70,6 +70,8 @@ class TrainState:
     partial_epoch: PartialEpoch = field(default_factory=PartialEpoch)  # of the next epoch, after a stop
     best_metric: float = -math.inf  # the best mean validation Dice so far
     budget: TimeBudget | None = None  # the --time-limit budget of the job that trains now
+    resumed_from: str | None = None  # the file --resume named when this run started from another checkpoint
+    validation_pending: bool = False  # the last epoch's due validation was cut short by a stop signal
 
     @property
     def step(self) -> int:
@@ -109,6 +111,8 @@ class TrainState:
             "world_size": world_size,
             "rng": rng_states,
             "time_budget": self.budget.state_dict() if self.budget is not None else None,
+            "resumed_from": self.resumed_from,
+            "validation_pending": self.validation_pending,
         }
 
     def load(
@@ -143,6 +147,15 @@ class TrainState:
         for group, chosen in zip(self.optimizer.param_groups, kernels, strict=True):
             group.update(chosen)
         fit_state_to_parameters(self.optimizer)  # step counts and buffer layouts for this run's kernels
+        # The hyperparameters are this run's too: load_state_dict put the saved lr, momentum and weight decay
+        # back, so a resume with --lr 0.1 trained at the old rate while the warning named lr as changed
+        cfg = self.config
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = cfg.weight_decay
+            if "momentum" in group:
+                group["momentum"] = cfg.momentum
+        self.schedule.base_lrs = [cfg.lr] * len(self.optimizer.param_groups)
+        self.schedule.set_progress(self.schedule.progress)
         if self.scaler.is_enabled() and not checkpoint["scaler"]:
             # Written without fp16 loss scaling (fp32 or bf16): the scale starts afresh, as in a new run.
             warn(f"{source} holds no GradScaler state (it was trained without fp16): the loss scale starts afresh")
@@ -161,6 +174,8 @@ class TrainState:
         step = int(checkpoint.get("step", 0))
         self.partial_epoch = PartialEpoch(**checkpoint["epoch_partial"]) if step else PartialEpoch()
         self.best_metric = float(checkpoint["best_metric"])
+        self.resumed_from = checkpoint.get("resumed_from")
+        self.validation_pending = bool(checkpoint.get("validation_pending", False))
         saved_budget = checkpoint.get("time_budget")
         self.budget = TimeBudget.from_state(saved_budget) if saved_budget else None
 
