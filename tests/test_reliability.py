@@ -566,6 +566,7 @@ def test_two_nodes_on_one_machine_train_and_only_global_rank_0_writes(shared, tm
             "MASTER_ADDR": address,
             "MASTER_PORT": str(port),
             "RDZV_ID": f"test{port}",
+            "OMP_NUM_THREADS": "1",  # two "nodes" on these two cores: each would take both (6x slower steps)
         }
         args = options(shared, tmp_path / f"node{node}", 1)
         procs.append(
