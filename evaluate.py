@@ -171,7 +171,21 @@ def segmentation_settings(args: argparse.Namespace) -> dict[str, Any]:
         "checkpoints": checkpoints, "window": args.window, "overlap": args.overlap, "tta": args.tta,
         "amp": args.amp, "postprocess": rules, "save_probabilities": args.save_probabilities,
         "in_channels": args.in_channels, "num_classes": args.num_classes, "features": args.features,
+        "device": device_kind(args),
     }  # fmt: skip
+
+
+def device_kind(args: argparse.Namespace) -> str:
+    """cuda or cpu, as the run will choose (without touching CUDA where --gpu is to mask it): --amp auto is
+    fp32 on the CPU and bf16 or fp16 on a GPU, so a folder half segmented on one is not continued on the other."""
+    if args.gpu:
+        return "cuda"
+    if args.device:
+        try:
+            return torch.device(args.device).type
+        except RuntimeError:
+            return args.device  # refused with a message once the device is chosen
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def shown_prediction(probs: torch.Tensor, predictor: Predictor) -> torch.Tensor | np.ndarray:

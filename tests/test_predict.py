@@ -92,6 +92,16 @@ def test_a_folder_of_new_scans(folder, tmp_path, capsys):
     assert "3 case(s) written, 0 already there, 1 failed" in capsys.readouterr().out
     assert json.loads((out / "summary.json").read_text())["inference"]["tta"] is True
     assert evaluate.main([*argv, "--tta"]) == 1, "the folder is now the TTA run's"
+    # the device too (--amp auto is fp32 on the CPU, bf16 or fp16 on a GPU); a record from before the device
+    # was recorded is taken to match
+    settings = json.loads((out / ".segmentation.json").read_text())
+    assert settings["device"] == "cpu"
+    (out / ".segmentation.json").write_text(json.dumps({**settings, "device": "cuda"}))
+    assert evaluate.main([*argv, "--tta"]) == 2
+    assert "other settings (device (then 'cuda', now 'cpu'))" in capsys.readouterr().err
+    del settings["device"]
+    (out / ".segmentation.json").write_text(json.dumps(settings))
+    assert evaluate.main([*argv, "--tta"]) == 1
 
 
 def test_scans_training_would_refuse_are_named_and_skipped(tmp_path, capsys):

@@ -105,6 +105,9 @@ SETTINGS_FILE = ".segmentation.json"  # in an --images output folder: what made 
 OVERWRITING = "overwriting"  # in the settings file while an --overwrite run has not finished
 
 
+RECORDED_LATER = ("device",)  # settings an older record lacks
+
+
 def claim_folder(folder: Path, settings: dict[str, Any], overwrite: bool) -> None:
     """Record in `folder` the settings that segment into it; refuse other settings than those that made the
     segmentations already there, which a run that skips the cases written would leave unchanged and
@@ -127,6 +130,9 @@ def claim_folder(folder: Path, settings: dict[str, Any], overwrite: bool) -> Non
                 "it again with --overwrite"
             )
         now = plain(settings)
+        for key in RECORDED_LATER:  # a record written before the key was: taken to match
+            if key not in before and key in now:
+                before[key] = now[key]
         if before != now:
             differ = [
                 f"{k} (then {before.get(k)!r}, now {now.get(k)!r})"
