@@ -21,6 +21,7 @@ P_SHIFT, SHIFT_STD = 0.15, 0.1  # additive change, in units of the normalised in
 P_GAMMA, GAMMA_RANGE = 0.3, (0.7, 1.5)
 # nnunet only
 P_ROTATE, MAX_ANGLE = 0.2, math.radians(30)  # the probability of a rotation; each axis's angle in +-MAX_ANGLE
+MAX_IN_PLANE_ANGLE = math.pi  # a thick-slice patch's one rotation, about its short axis (nnU-Net: +-180)
 P_ZOOM, ZOOM_RANGE = 0.2, (0.7, 1.4)  # the patch's sampling grid scaled by this (>1: a larger field of view)
 P_NOISE, NOISE_VARIANCE = 0.1, (0.0, 0.1)
 P_BLUR, BLUR_SIGMA = 0.2, (0.5, 1.0)  # per sample; then each channel with probability 0.5
@@ -30,19 +31,28 @@ P_INVERTED_GAMMA = 0.1
 ANISOTROPY_LIMIT = 3  # a patch whose longest side exceeds its shortest this many times is transformed in-plane
 
 
+def thin_axis(patch_size: tuple[int, ...]) -> int | None:
+    """The short axis of a strongly anisotropic patch (its longest side more than ANISOTROPY_LIMIT times its
+    shortest, as on thick slices whose thick axis the plan does not pool), else None."""
+    return int(np.argmin(patch_size)) if max(patch_size) > ANISOTROPY_LIMIT * min(patch_size) else None
+
+
 def spatial_transform(rng: np.random.Generator, patch_size: tuple[int, ...] = (1, 1, 1)) -> np.ndarray | None:
     """A random 3x3 map from patch offsets to volume offsets (rotation and scaling), or None for none.
 
     A strongly anisotropic patch (its longest side more than ANISOTROPY_LIMIT times its shortest, as on thick
     slices whose thick axis the plan does not pool) is transformed in-plane only, as nnU-Net does: rotated
-    about its short axis and scaled across it, so a thick slice never tilts into its neighbours."""
-    thin = int(np.argmin(patch_size)) if max(patch_size) > ANISOTROPY_LIMIT * min(patch_size) else None
+    about its short axis, by up to 180 degrees (nnU-Net's range for in-plane rotation), and scaled across it,
+    so a thick slice never tilts into its neighbours."""
+    thin = thin_axis(patch_size)
     matrix = np.eye(3)
     if rng.random() < P_ROTATE:
         for axis in range(3):
             angle = rng.uniform(-MAX_ANGLE, MAX_ANGLE)
             if thin is not None and axis != thin:
                 continue  # the angle is still drawn: the generator's stream does not depend on the patch
+            if thin is not None:
+                angle *= MAX_IN_PLANE_ANGLE / MAX_ANGLE  # the same draw, over the in-plane range
             c, s = math.cos(angle), math.sin(angle)
             rotation = np.eye(3)
             i, j = [a for a in range(3) if a != axis]
@@ -100,7 +110,13 @@ def gamma(channel: np.ndarray, g: float, inverted: bool = False) -> np.ndarray:
 
 
 def _low_resolution(channel: np.ndarray, zoom: float) -> np.ndarray:
-    small = ndimage.zoom(channel, zoom, order=0)
+    """Down by `zoom` (nearest) and back up (cubic), on every axis but a thick-slice patch's short one, whose
+    slices are coarse already: averaging them together is no acquisition's (nnU-Net ignores that axis too)."""
+    zooms = [zoom] * channel.ndim
+    thin = thin_axis(channel.shape)
+    if thin is not None:
+        zooms[thin] = 1.0
+    small = ndimage.zoom(channel, zooms, order=0)
     return ndimage.zoom(small, [a / b for a, b in zip(channel.shape, small.shape)], order=3)[
         tuple(slice(0, n) for n in channel.shape)
     ]

@@ -543,6 +543,26 @@ def test_an_anisotropic_patch_is_rotated_and_scaled_in_plane_only():
     assert any(abs(m[0, 0] - 1) > 0.1 and abs(m[0, 1]) < 1e-12 for m in thick), "in-plane scalings happen"
     cube = [m for m in (spatial_transform(np.random.default_rng(s), (32, 32, 24)) for s in range(300)) if m is not None]
     assert any(abs(m[2, 0]) > 0.1 or abs(m[2, 1]) > 0.1 for m in cube), "out-of-plane rotations on a cube"
+    # in-plane, the whole circle as nnU-Net turns thick slices (it was +-30 degrees, the 3D range): a rotation
+    # beyond 90 degrees has a negative cosine on the plane's diagonal
+    turned = [m for m in thick if abs(m[0, 1]) > 1e-12]
+    assert (
+        any(m[0, 0] < -0.5 for m in turned) and max(abs(np.degrees(np.arctan2(m[1, 0], m[0, 0]))) for m in turned) > 150
+    )
+
+
+def test_simulated_low_resolution_leaves_a_thick_slice_patchs_short_axis_alone():
+    """Averaging thick slices together is no acquisition's: it cut the contrast between neighbouring slices
+    of a 96x96x16 patch from 1 to 0.1 (nnU-Net ignores that axis). In-plane it still blurs; a cube on all axes."""
+    from data.augment import _low_resolution
+
+    slices = np.tile((np.arange(16) % 2).astype(np.float32), (96, 96, 1))  # alternating slices along z
+    low = _low_resolution(slices, 0.5)
+    assert np.allclose(low, slices, atol=1e-4), "every slice kept"
+    stripes = np.tile((np.arange(96) % 2).astype(np.float32)[:, None, None], (1, 96, 16))  # along x
+    assert np.abs(_low_resolution(stripes, 0.5) - stripes).max() > 0.4, "in-plane detail is still lost"
+    cube = np.tile((np.arange(32) % 2).astype(np.float32), (32, 32, 1))
+    assert np.abs(_low_resolution(cube, 0.5) - cube).max() > 0.4, "a near-isotropic patch on every axis"
 
 
 def _rotation(angle: float) -> np.ndarray:
