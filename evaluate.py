@@ -294,7 +294,8 @@ def evaluate(args: argparse.Namespace, gpu: int | None) -> int:
         "checkpoint": str(Path(args.checkpoint[0]).resolve()),  # the first (or only) one
         "checkpoints": [str(Path(c).resolve()) for c in args.checkpoint],
         "inference": {
-            "overlap": args.overlap, "amp": str(amp_dtype), "memory_format": format_name(memory_format),
+            "overlap": args.overlap, "amp": str(amp_dtype) if amp_dtype is not None else "off",
+            "memory_format": format_name(memory_format),
             "tta": args.tta, "device": str(device), "ensemble": ensembled,
             "window": [m.window for m in members], "postprocess": rules,
         },

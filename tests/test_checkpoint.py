@@ -345,3 +345,19 @@ def test_an_unreadable_last_pt_passed_over_is_kept_aside_not_made_previous_pt(tm
     last.write_bytes(b"junk")
     assert resume_source(TrainConfig(out_dir=str(tmp_path))) == str(tmp_path / "checkpoints" / PREVIOUS)
     assert (tmp_path / "checkpoints" / "last.pt.unreadable").read_bytes() == b"junk" and not last.exists()
+
+
+def test_resume_none_into_a_folder_with_checkpoints_says_they_will_be_replaced(tmp_path, caplog):
+    import logging
+
+    from unet3d.training.checkpointing import resume_source
+    from unet3d.training.config import TrainConfig
+
+    _write_pair(tmp_path / "checkpoints")
+    with caplog.at_level(logging.WARNING, logger="unet3d"):
+        assert resume_source(TrainConfig(out_dir=str(tmp_path), resume="none")) is None
+    assert "--resume none: starting over; this run's checkpoints will replace those in" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="unet3d"):
+        assert resume_source(TrainConfig(out_dir=str(tmp_path / "empty"), resume="none")) is None
+    assert "starting over" not in caplog.text

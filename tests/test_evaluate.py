@@ -141,6 +141,7 @@ def test_outputs_for_a_bare_state_dict_on_the_test_split(weights, tiny_dataset, 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_cases"] == 2 and summary["split"] == "test" and summary["config"] is None
     assert summary["checkpoint"] == str((tmp_path / "w.pt").resolve())
+    assert summary["inference"]["amp"] == "off", "fp32 on the CPU (recorded as the string 'None' before)"
     dice_means = [summary["classes"][c]["dice"]["mean"] for c in ("organ", "lesion")]
     assert summary["mean_dice"] == pytest.approx(np.mean(dice_means))
     for r in rows:

@@ -198,6 +198,7 @@ def test_mixed_acquisitions_train_and_predict_on_each_scans_own_grid(tmp_path):
     # still all a folder of scans needs (the channel is computed, not read)
     assert json.loads((out / "plan.json").read_text())["acquisition_channel"] is True
     assert best["model_args"]["in_channels"] == 2 and "distances to the measured planes" in result.stdout
+    assert "simulated thick slices: a third of the fine cases' patches re-acquired as (" in result.stdout
     assert evaluate.main([*argv[:2], "--images", str(data / "imagesTs"), "--out-dir", str(out / "folder")]) == 0
     for image in sorted((data / "imagesTs").glob("*.nii.gz")):
         assert nib.load(out / "folder" / image.name).shape == nib.load(image).shape

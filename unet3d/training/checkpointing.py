@@ -80,6 +80,11 @@ def resume_source(cfg: TrainConfig) -> str | None:
     """
     found = find_resume(cfg.resume, cfg.out_dir, "cpu", get_logger().warning)
     folder = checkpoint_dir(cfg.out_dir)
+    if cfg.resume == "none" and any((folder / name).exists() for name in (LAST, PREVIOUS, BEST)):
+        get_logger().warning(
+            f"--resume none: starting over; this run's checkpoints will replace those in {folder} (its best.pt "
+            "at this run's first new best)"
+        )
     if found is not None and found[0] == folder / PREVIOUS and (folder / LAST).exists():
         (folder / LAST).replace(folder / UNREADABLE)
         get_logger().warning(f"kept the unreadable {folder / LAST} as {folder / UNREADABLE}")

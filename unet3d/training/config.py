@@ -176,7 +176,7 @@ class TrainConfig:
         "layout of the model's activations: auto (channels_last when the CPU trains in fp32, where it is faster; "
         "else contiguous), channels_last, contiguous",
     )
-    compile: bool = _f(False, "torch.compile the model (slow to start, faster steps on GPUs)")
+    compile: bool = _f(False, "torch.compile the model (slow to start; faster steps on GPUs and bf16 CPUs)")
     grad_checkpoint: bool = _f(False, "recompute block activations in the backward pass: less memory, larger patches")
     deep_supervision: str = _f(
         "auto", "supervise the decoder's coarser levels too, with nnU-Net's weights: on, off, auto (by device)"

@@ -100,6 +100,9 @@ def make_loader(rt: Runtime, cases: Sequence[PreparedCase], acquisition_channel:
         acquisition_channel=acquisition_channel,
         soft_labels=cfg.label_targets == "soft",
     )
+    if patches.acquisitions:  # said, since `auto` alone does not tell whether the dataset has thick slices
+        slabs = ", ".join(f"{'xyz'[axis]} in slabs of {t:g} planned voxels" for axis, t in patches.acquisitions)
+        get_logger().info(f"simulated thick slices: a third of the fine cases' patches re-acquired as ({slabs})")
     dataset = slow_data(patches, rt.dist.rank)
     sampler = EpochSampler(dataset, num_replicas=rt.world_size, rank=rt.dist.rank, shuffle=True, seed=cfg.seed)
     return DataLoader(
