@@ -68,6 +68,7 @@ def test_a_balanced_run_says_nothing_and_logs_every_step_and_a_profile(shared, t
         assert [s for s, _ in tags[tag]] == [1, 2] and all(v > 0 for _, v in tags[tag]), tag
     traces = list((out / "profile").glob("*.pt.trace.json"))
     assert len(traces) == 1 and traces[0].stat().st_size > 1000, "rank 0's trace, for TensorBoard or Perfetto"
+    assert f"profile: {traces[0]} (TensorBoard's profiler plugin" in stdout, "the log names the file"
 
 
 def table(*rows: dict) -> EpochTiming:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from unet3d.training import dist
+from unet3d.training.logs import get_logger
 
 # Diagnoses, printed once per run when an epoch (after the first, which pays for start-up) shows them:
 DATA_WAIT_FRAC = 0.15  # ranks waited this share of their steps for data
@@ -185,6 +186,19 @@ class EpochTiming:
         return found
 
 
+def _traced(folder: Path):
+    """TensorBoard's trace handler, which then names the file it wrote (it said nothing)."""
+    write = torch.profiler.tensorboard_trace_handler(str(folder))
+
+    def handler(prof) -> None:
+        before = set(folder.glob("*.pt.trace.json")) if folder.is_dir() else set()
+        write(prof)
+        for path in sorted(set(folder.glob("*.pt.trace.json")) - before):
+            get_logger().info(f"profile: {path} (TensorBoard's profiler plugin or https://ui.perfetto.dev)")
+
+    return handler
+
+
 def profiler(steps: int, out_dir: Path, device: torch.device):
     """A torch.profiler for `steps` steps after one of warm-up, writing a trace that TensorBoard's profiler
     plugin and Perfetto open (OUT/profile/*.pt.trace.json); None when `steps` is 0."""
@@ -196,6 +210,6 @@ def profiler(steps: int, out_dir: Path, device: torch.device):
     return torch.profiler.profile(
         activities=activities,
         schedule=torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out_dir / "profile")),
+        on_trace_ready=_traced(out_dir / "profile"),
         record_shapes=False,
     )
