@@ -138,8 +138,27 @@ else
   # a hung driver: a message, no hang (-k: SIGKILL 5 s after a SIGTERM it ignores; not --foreground, with which
   # only nvidia-smi would be signalled, and a process it started could hold the output open for ever)
   command -v timeout >/dev/null 2>&1 && smi=(timeout -k 5 "$wait_s" nvidia-smi -L)
-  listing=$("${smi[@]}" 2>/dev/null) ||
-    die "nvidia-smi -L failed or did not answer within ${wait_s} s; is the NVIDIA driver loaded?"
+  # In the background, so that Ctrl-C or a scheduler's signal is acted on at once while it hangs (bash runs a
+  # trap during `wait`, but only after a foreground command has ended)
+  listed=$(mktemp "${TMPDIR:-/tmp}/unet3d-smi.XXXXXX" 2>/dev/null || mktemp /tmp/unet3d-smi.XXXXXX) ||
+    die "cannot create a temporary file in ${TMPDIR:-/tmp} or /tmp"
+  "${smi[@]}" >"$listed" 2>/dev/null &
+  smi_pid=$!
+  stop_waiting() {  # $1: the signal's name, $2: its number
+    kill -s TERM "$smi_pid" 2>/dev/null || true
+    rm -f "$listed"
+    echo "launch.sh: SIG$1 while waiting for nvidia-smi -L: the job ends" >&2 || true
+    exit $((128 + $2))
+  }
+  trap 'stop_waiting INT 2' INT
+  trap 'stop_waiting TERM 15' TERM
+  trap 'stop_waiting HUP 1' HUP
+  smi_status=0
+  wait "$smi_pid" || smi_status=$?
+  trap - INT TERM HUP
+  listing=$(<"$listed")
+  rm -f "$listed"
+  ((smi_status == 0)) || die "nvidia-smi -L failed or did not answer within ${wait_s} s; is the NVIDIA driver loaded?"
   declare -A gpus=()  # by the index each line names (a card nvidia-smi cannot query prints another line)
   while IFS= read -r line; do
     [[ $line =~ ^GPU\ ([0-9]+):\ (.*)$ ]] && gpus[$((10#${BASH_REMATCH[1]}))]=${BASH_REMATCH[2]}

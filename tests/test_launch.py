@@ -397,3 +397,30 @@ def test_a_signal_during_the_preflight_ends_it_with_the_job(env, tmp_path):
         time.sleep(0.05)
     assert not Path(f"/proc/{preflight}").exists(), "the pre-flight ended with the job"
     assert started(tmp_path) is None, "no rank started"
+
+
+def test_ctrl_c_while_nvidia_smi_hangs_ends_the_launch_at_once(env, tmp_path):
+    """A hung driver: Ctrl-C (SIGINT to the launcher) waited for NVIDIA_SMI_TIMEOUT (60 s by default) before."""
+    pid_file = tmp_path / "smi.pid"
+    _script(tmp_path / "bin" / "nvidia-smi", f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
+    proc = subprocess.Popen(["bash", "launch.sh", "0", "--epochs", "1"], cwd=REPO, env={**os.environ, **env,
+                            "NVIDIA_SMI_TIMEOUT": "50"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert time.monotonic() < deadline and proc.poll() is None, "nvidia-smi never started"
+            time.sleep(0.05)
+        smi = int(pid_file.read_text())
+        began = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and time.monotonic() - began < 5
+    assert "launch.sh: SIGINT while waiting for nvidia-smi -L: the job ends" in err.decode()
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{smi}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{smi}").exists() and started(tmp_path, "python") is None
