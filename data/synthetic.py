@@ -33,7 +33,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from unet3d.files import temp_path
+from unet3d.files import remove_stale_temps, temp_path
 
 SINGLE_PROTOCOLS = ("isotropic", "axial", "sagittal")  # the geometries of one protocol each, PROTOCOLS' order
 GEOMETRIES = ("uniform", "mixed", *SINGLE_PROTOCOLS)
@@ -310,6 +310,7 @@ def write_synthetic_dataset(
         return root
     if num_cases < 2 or size < 8:
         raise ValueError(f"need num_cases >= 2 and size >= 8, got {num_cases}, {size}")
+    remove_stale_temps(root)  # what a writer killed here before left (SIGTERM during the pre-flight)
     tmp = temp_path(root)  # unique per host and process: nodes may share the folder
     try:
         _write(tmp, num_cases, size, seed, num_test, geometry)

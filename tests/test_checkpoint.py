@@ -361,3 +361,37 @@ def test_resume_none_into_a_folder_with_checkpoints_says_they_will_be_replaced(t
     with caplog.at_level(logging.WARNING, logger="unet3d"):
         assert resume_source(TrainConfig(out_dir=str(tmp_path / "empty"), resume="none")) is None
     assert "starting over" not in caplog.text
+
+
+def test_temporary_files_of_writers_killed_on_this_host_are_removed_by_the_next_writer(tmp_path):
+    """A signal's default action runs no `finally`: a pre-flight killed while it wrote the synthetic dataset
+    left its hidden folder, a rank killed mid-save its half-written checkpoint. The next writer of the same
+    path removes those of dead processes of this host, never a live one's or another host's."""
+    import socket
+    import subprocess
+    import sys
+
+    from data.synthetic import write_synthetic_dataset
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host, gone = socket.gethostname(), int(dead.stdout)
+    root = tmp_path / "syn"
+    stale = tmp_path / f".syn.tmp-{host}-{gone}-abcd1234"
+    (stale / "imagesTr").mkdir(parents=True)
+    live = tmp_path / f".syn.tmp-{host}-{os.getpid()}-abcd1234"
+    elsewhere = tmp_path / f".syn.tmp-othernode-{gone}-abcd1234"
+    live.mkdir()
+    elsewhere.mkdir()
+    young = tmp_path / f".syn.tmp-{host}-{gone}-young000"  # a minute old at the most: perhaps still written
+    young.mkdir()
+    for old in (stale, live, elsewhere):
+        os.utime(old, (time.time() - 3600, time.time() - 3600))
+    write_synthetic_dataset(root, num_cases=2, size=8, seed=0, num_test=0)
+    assert (root / "dataset.json").is_file() and not stale.exists() and live.exists() and elsewhere.exists()
+    assert young.exists()
+    half = tmp_path / "checkpoints" / f".last.pt.tmp-{host}-{gone}-ffff0000"
+    half.parent.mkdir()
+    half.write_bytes(b"half a checkpoint")
+    os.utime(half, (time.time() - 3600, time.time() - 3600))
+    save_checkpoint({"epoch": 1}, tmp_path / "checkpoints" / "last.pt")
+    assert not half.exists() and sorted(p.name for p in half.parent.iterdir()) == ["last.pt"]

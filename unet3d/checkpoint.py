@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from unet3d.files import atomic_write
+from unet3d.files import atomic_write, remove_stale_temps
 from unet3d.model import UNet3D
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
@@ -25,6 +25,7 @@ def save_checkpoint(state: Mapping[str, Any], path: str | Path, previous: str | 
     are left as they were. With `previous`, the file `path` held until now is kept under that name, so one
     unreadable checkpoint never leaves nothing to resume from.
     """
+    remove_stale_temps(path)  # a half-written checkpoint of a process killed here before
     atomic_write(path, lambda f: torch.save(dict(state), f), durable=True, previous=previous)
 
 

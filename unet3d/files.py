@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -19,6 +21,40 @@ def temp_path(path: str | Path) -> Path:
     """A hidden sibling of `path` that no other process, on this host or another, will pick."""
     path = Path(path)
     return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+STALE_AFTER_S = 60.0  # a temporary file or folder untouched this long, of a dead process: left behind
+
+
+def remove_stale_temps(path: str | Path) -> list[Path]:
+    """Remove the `temp_path` siblings of `path` that processes of this host, now gone, left behind (killed
+    while they wrote: a signal's default action runs no `finally`); another host's are left alone. Returns
+    what was removed."""
+    path = Path(path)
+    prefix = f".{path.name}.tmp-{socket.gethostname()}-"
+    removed = []
+    for temp in path.parent.glob(f".{path.name}.tmp-*") if path.parent.is_dir() else ():
+        if not temp.name.startswith(prefix):
+            continue
+        pid = temp.name[len(prefix) :].split("-")[0]
+        if not pid.isdigit() or _alive(int(pid)) or time.time() - temp.stat().st_mtime < STALE_AFTER_S:
+            continue  # (the age: a writer in another PID namespace of a host of the same name looks dead)
+        if temp.is_dir():
+            shutil.rmtree(temp, ignore_errors=True)
+        else:
+            temp.unlink(missing_ok=True)
+        removed.append(temp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def writable_folder(path: str | Path, named: str) -> Path:
