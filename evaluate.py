@@ -180,6 +180,8 @@ def device_kind(args: argparse.Namespace) -> str:
     fp32 on the CPU and bf16 or fp16 on a GPU, so a folder half segmented on one is not continued on the other."""
     if args.gpu:
         return "cuda"
+    if args.workers > 1:  # the shards run on the CPU (`run_shards` gives each --device cpu)
+        return "cpu"
     if args.device:
         try:
             return torch.device(args.device).type

@@ -32,7 +32,7 @@ from unet3d.training.checkpointing import (
     resume_source,
     save_checkpoints,
 )
-from unet3d.training.config import TrainConfig, parse_args
+from unet3d.training.config import UNTIL_TIME_LIMIT, TrainConfig, parse_args
 from unet3d.training.control import (
     StepControl,
     StopReason,
@@ -112,19 +112,25 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     if checkpoint is not None:
         check_resumable(rt, checkpoint, state.model_args, Path(source), state.class_names)
         resume(rt, state, checkpoint, Path(source))
+    saved_epochs = (checkpoint.get("config") or {}).get("epochs") if checkpoint is not None else None
     del checkpoint  # its host copy of the weights and moments is no longer needed
     validates = ever_validates(rt.cfg)  # a budget keeps room for a last validation only where one comes
     launches = dist.all_gather_object(launch_time())  # every rank: when launch.sh started on each node
     saved_budget, saved_progress = state.budget, state.schedule.progress
     epoch_progress = (state.epoch + state.step / rt.steps_per_epoch) / rt.cfg.epochs
-    state.budget = TimeBudget.for_job(rt.cfg.time_limit, saved_budget, started, epoch_progress, validates, launches)
-    progress = schedule_start(saved_budget, state.budget, saved_progress, epoch_progress)
+    epochs_changed = saved_epochs is not None and saved_epochs != rt.cfg.epochs
+    until_limit = rt.cfg.epochs >= UNTIL_TIME_LIMIT
+    job = TimeBudget.for_job(rt.cfg.time_limit, saved_budget, started, saved_progress, validates, launches)
+    progress = schedule_start(saved_budget, job, saved_progress, epoch_progress, epochs_changed, until_limit)
+    # a new job's budget anneals from there (a restarted one's keeps its own start)
+    state.budget = TimeBudget.for_job(rt.cfg.time_limit, saved_budget, started, progress, validates, launches)
     if progress < saved_progress - 1e-3:
         state.schedule.set_progress(progress)
+        where = "of a new cycle" if until_limit else f"of this run ({state.epoch} of {rt.cfg.epochs} epochs)"
+        why = "another --epochs" if epochs_changed else "annealed to its end by a time budget"
         get_logger().warning(
-            f"the learning-rate schedule resumes at {progress:.3f} of this run ({state.epoch} of {rt.cfg.epochs} "
-            f"epochs), where the checkpoint's stood at {saved_progress:.3f} (annealed over a time budget, or "
-            f"fewer --epochs): the learning rate goes back up to {state.schedule.get_last_lr()[0]:.2e}"
+            f"the learning-rate schedule resumes at {progress:.3f} {where}, where the checkpoint's stood at "
+            f"{saved_progress:.3f} ({why}): the learning rate goes back up to {state.schedule.get_last_lr()[0]:.2e}"
         )
     model = wrap_for_training(rt, state.model)
     first_step = state.epoch * rt.steps_per_epoch + state.step

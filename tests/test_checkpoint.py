@@ -382,16 +382,31 @@ def test_temporary_files_of_writers_killed_on_this_host_are_removed_by_the_next_
     elsewhere = tmp_path / f".syn.tmp-othernode-{gone}-abcd1234"
     live.mkdir()
     elsewhere.mkdir()
-    young = tmp_path / f".syn.tmp-{host}-{gone}-young000"  # a minute old at the most: perhaps still written
+    young = tmp_path / f".syn.tmp-{host}-{gone}-00000000"  # a minute old at the most: perhaps still written
     young.mkdir()
-    for old in (stale, live, elsewhere):
+    dashed = tmp_path / f".syn.tmp-{host}-7-{gone}-00000001"  # host "{host}-7" on a shared file system
+    writing = tmp_path / f".syn.tmp-{host}-{gone}-00000002"  # an old folder, but a file in it written now
+    (writing / "imagesTr").mkdir(parents=True)
+    (writing / "imagesTr" / "case.nii.gz").write_bytes(b"now")
+    dashed.mkdir()
+    for old in (stale, stale / "imagesTr", live, elsewhere, dashed, writing, writing / "imagesTr"):
         os.utime(old, (time.time() - 3600, time.time() - 3600))
     write_synthetic_dataset(root, num_cases=2, size=8, seed=0, num_test=0)
     assert (root / "dataset.json").is_file() and not stale.exists() and live.exists() and elsewhere.exists()
-    assert young.exists()
+    assert young.exists() and dashed.exists() and writing.exists()
     half = tmp_path / "checkpoints" / f".last.pt.tmp-{host}-{gone}-ffff0000"
     half.parent.mkdir()
     half.write_bytes(b"half a checkpoint")
     os.utime(half, (time.time() - 3600, time.time() - 3600))
     save_checkpoint({"epoch": 1}, tmp_path / "checkpoints" / "last.pt")
     assert not half.exists() and sorted(p.name for p in half.parent.iterdir()) == ["last.pt"]
+
+
+def test_resume_naming_the_runs_own_previous_pt_leaves_a_readable_last_pt_alone(tmp_path):
+    from unet3d.training.checkpointing import resume_source
+    from unet3d.training.config import TrainConfig
+
+    last = _write_pair(tmp_path / "checkpoints")
+    previous = tmp_path / "checkpoints" / PREVIOUS
+    assert resume_source(TrainConfig(out_dir=str(tmp_path), resume=str(previous))) == str(previous)
+    assert last.exists() and not (tmp_path / "checkpoints" / "last.pt.unreadable").exists()

@@ -246,3 +246,13 @@ def test_options_are_never_abbreviated(shortened, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args([shortened, "3"] if shortened == "--epoch" else [shortened])
     assert exit_.value.code == 2 and f"unrecognized arguments: {shortened}" in capsys.readouterr().err
+
+
+def test_a_samples_per_epoch_at_its_bound_survives_the_rounding_to_the_global_batch():
+    """10^7 with batch 3 on two ranks resolves to 10000002: refused after the whole pre-flight before, with a
+    number never given. The bound is the command line's."""
+    from data.plan import legacy_plan
+
+    cfg = parse_args(["--samples-per-epoch", "10000000", "--batch-size", "3"])
+    plan = legacy_plan(["MRI"], (16, 16, 16), (4, 8))
+    assert resolve(cfg, plan, "cpu", 2, 2, 2).samples_per_epoch == 10000002

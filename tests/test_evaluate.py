@@ -465,3 +465,16 @@ def test_a_window_the_network_cannot_take_is_refused_before_any_case(weights, ti
     assert evaluate.main([*argv, "--device", "cpu", "--window", "15", "--out-dir", str(out)]) == 2
     assert "--window 15 15 15: each size must be divisible by 4 x 4 x 4" in capsys.readouterr().err
     assert not (out / "predictions").exists()
+
+
+def test_the_device_recorded_for_a_folder_is_the_one_the_cases_are_segmented_on(monkeypatch):
+    """`--workers N` shards run with --device cpu: on a GPU host the record said cuda, and a plain run there
+    (bf16 or fp16 under --amp auto) was taken to match a folder segmented in fp32 on the CPU."""
+    from argparse import Namespace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert evaluate.device_kind(Namespace(gpu=None, workers=2, device=None)) == "cpu", "the shards run on the CPU"
+    assert evaluate.device_kind(Namespace(gpu=None, workers=1, device=None)) == "cuda"
+    assert evaluate.device_kind(Namespace(gpu="5,7", workers=1, device=None)) == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("CUDA touched before a --gpu mask"))
+    assert evaluate.device_kind(Namespace(gpu="5", workers=1, device=None)) == "cuda"

@@ -8,6 +8,7 @@ file, even when two hosts' processes have the same pid.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -31,13 +32,14 @@ def remove_stale_temps(path: str | Path) -> list[Path]:
     while they wrote: a signal's default action runs no `finally`); another host's are left alone. Returns
     what was removed."""
     path = Path(path)
-    prefix = f".{path.name}.tmp-{socket.gethostname()}-"
+    prefix = f".{path.name}.tmp-"
     removed = []
-    for temp in path.parent.glob(f".{path.name}.tmp-*") if path.parent.is_dir() else ():
-        if not temp.name.startswith(prefix):
+    for temp in path.parent.glob(f"{prefix}*") if path.parent.is_dir() else ():
+        # the name's end is HOST-PID-TOKEN, split from the right: a host name may hold dashes (node-7)
+        host, pid, token = (temp.name[len(prefix) :].rsplit("-", 2) + ["", ""])[:3]
+        if host != socket.gethostname() or not pid.isdigit() or not re.fullmatch("[0-9a-f]{8}", token):
             continue
-        pid = temp.name[len(prefix) :].split("-")[0]
-        if not pid.isdigit() or _alive(int(pid)) or time.time() - temp.stat().st_mtime < STALE_AFTER_S:
+        if _alive(int(pid)) or time.time() - _newest_mtime(temp) < STALE_AFTER_S:
             continue  # (the age: a writer in another PID namespace of a host of the same name looks dead)
         if temp.is_dir():
             shutil.rmtree(temp, ignore_errors=True)
@@ -45,6 +47,18 @@ def remove_stale_temps(path: str | Path) -> list[Path]:
             temp.unlink(missing_ok=True)
         removed.append(temp)
     return removed
+
+
+def _newest_mtime(path: Path) -> float:
+    """The latest modification time in `path` (a folder's own mtime stays as files are written deeper down)."""
+    newest = path.stat().st_mtime
+    if path.is_dir():
+        for inner in path.rglob("*"):
+            try:
+                newest = max(newest, inner.stat().st_mtime)
+            except OSError:  # gone meanwhile
+                continue
+    return newest
 
 
 def _alive(pid: int) -> bool:

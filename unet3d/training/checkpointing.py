@@ -85,7 +85,7 @@ def resume_source(cfg: TrainConfig) -> str | None:
             f"--resume none: starting over; this run's checkpoints will replace those in {folder} (its best.pt "
             "at this run's first new best)"
         )
-    if found is not None and found[0] == folder / PREVIOUS and (folder / LAST).exists():
+    if cfg.resume == "auto" and found is not None and found[0] == folder / PREVIOUS and (folder / LAST).exists():
         (folder / LAST).replace(folder / UNREADABLE)
         get_logger().warning(f"kept the unreadable {folder / LAST} as {folder / UNREADABLE}")
     return str(found[0]) if found is not None else None

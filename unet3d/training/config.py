@@ -256,10 +256,6 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        for name, most in UPPER_BOUNDS.items():  # beyond these a value is a typo, and fails late and obscurely
-            value = getattr(self, name)
-            if value is not None and value > most:
-                raise ValueError(f"--{name.replace('_', '-')} must be <= {most}, got {value}")
         if self.lr is not None and not 0 < self.lr <= MAX_LR:
             raise ValueError(f"--lr must be in (0, {MAX_LR:g}], got {self.lr}")
         if self.momentum is not None and not 0 <= self.momentum < 1:
@@ -410,7 +406,17 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_upper_bounds(vars(args))
         return TrainConfig(**vars(args))
     except ValueError as e:
         parser.error(str(e))
         raise  # parser.error exits; this keeps type checkers content
+
+
+def check_upper_bounds(given: dict) -> None:
+    """Values beyond UPPER_BOUNDS are typos that fail late and obscurely: refused as given on the command
+    line (resolving may round --samples-per-epoch up to a multiple of the global batch, past the bound)."""
+    for name, most in UPPER_BOUNDS.items():
+        value = given.get(name)
+        if value is not None and value > most:
+            raise ValueError(f"--{name.replace('_', '-')} must be <= {most}, got {value}")

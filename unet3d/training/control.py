@@ -29,6 +29,7 @@ from unet3d.training.timing import StepTimer
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # (torchrun passes a hangup on as SIGHUP)
 STOP_FILE_ENV = "UNET3D_STOP_FILE"  # launch.sh's file for the ranks that stopped gracefully on a signal
 DEBOUNCE_S = 2.0  # one event often arrives twice (the terminal's Ctrl-C and torchrun forwarding it)
+SCHEDULE_DONE = 0.99  # a saved schedule progress this far along: annealed to its end (by a time budget)
 EXIT_MARGIN_S = 3.0  # a time-limited run's allowance for writing the last checkpoint and exiting
 LAUNCH_TIME_ENV = "UNET3D_LAUNCH_TIME"  # set by launch.sh: --time-limit counts from there
 
@@ -160,19 +161,34 @@ class TimeBudget:
 
 
 def schedule_start(
-    saved_budget: TimeBudget | None, budget: TimeBudget | None, saved_progress: float, epoch_progress: float
+    saved_budget: TimeBudget | None,
+    budget: TimeBudget | None,
+    saved_progress: float,
+    epoch_progress: float,
+    epochs_changed: bool = False,
+    until_time_limit: bool = False,
 ) -> float:
-    """Where a resumed run's learning-rate schedule stands: where it stood, within one job (a torchrun restart,
-    which keeps its time budget); otherwise at the epochs trained of this run's --epochs. The schedule's own
-    record was a floor before, which kept a job after a time-limited one (annealed to its end) at a learning
-    rate near zero, and a resume with more --epochs at the old run's last rate."""
+    """Where a resumed run's learning-rate schedule stands.
+
+    Where it stood, within one job (a torchrun restart keeps its time budget), and in a new job that goes on
+    (a preempted one). Otherwise from the epochs trained (`epoch_progress`, of this run's --epochs): after a
+    resume with another --epochs (the old progress was of the old count: more epochs held the old run's last
+    rate), and after a schedule that a time budget annealed to its end while epochs remain (it kept every
+    later job at a learning rate near zero): then from the epochs trained, or, training until the time limit
+    (no epoch count), from the start, a new cycle over the new budget."""
     same_job = (
         saved_budget is not None
         and budget is not None
         and (budget.start_wall, budget.run_id, budget.limit_s)
         == (saved_budget.start_wall, saved_budget.run_id, saved_budget.limit_s)
     )
-    return saved_progress if same_job else min(max(epoch_progress, 0.0), 1.0)
+    if same_job:
+        return saved_progress
+    if epochs_changed and not until_time_limit:
+        return min(max(epoch_progress, 0.0), 1.0)
+    if saved_progress >= SCHEDULE_DONE:
+        return 0.0 if until_time_limit else min(max(epoch_progress, 0.0), 1.0)
+    return saved_progress
 
 
 def launch_time() -> float | None:
