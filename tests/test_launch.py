@@ -367,35 +367,45 @@ def test_a_separator_bad_port_and_missing_tmpdir(env, tmp_path):
     assert started(tmp_path, "python")["argv"][1:] == ["--epochs", "1", "--prepare-only"], "(the first run's)"
 
 
+def _signalled_while_waiting(argv: list[str], env: dict, pid_file: Path, sig: int) -> tuple[int, str, int, float]:
+    """launch.sh with `argv`, signalled with `sig` once the stand-in it waits on has written its pid to
+    `pid_file`: (exit code, stderr, the stand-in's pid, seconds from the signal to the exit)."""
+    proc = subprocess.Popen(
+        ["bash", "launch.sh", *argv], cwd=REPO, env={**os.environ, **env}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert time.monotonic() < deadline and proc.poll() is None, "the stand-in never started"
+            time.sleep(0.05)
+        waited_on = int(pid_file.read_text())
+        began = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=15)
+        took = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, err.decode(), waited_on, took
+
+
+def _gone(pid: int) -> bool:
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not Path(f"/proc/{pid}").exists()
+
+
 def test_a_signal_during_the_preflight_ends_it_with_the_job(env, tmp_path):
     """The traps came after the pre-flight, so SIGTERM ended launch.sh and left the pre-flight (a first run's
     preprocessing) running on without it."""
     pid_file = tmp_path / "preflight.pid"
     slow = _script(tmp_path / "slow-python", f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
-    proc = subprocess.Popen(
-        ["bash", "launch.sh", "cpu:2", "--epochs", "1"],
-        cwd=REPO,
-        env={**os.environ, **env, "PYTHON": str(slow)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 20
-        while not pid_file.exists() or not pid_file.read_text().strip():
-            assert time.monotonic() < deadline and proc.poll() is None, "the pre-flight never started"
-            time.sleep(0.05)
-        preflight = int(pid_file.read_text())
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=15)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 143 and "launch.sh: SIGTERM before training: the job ends" in err.decode()
-    deadline = time.monotonic() + 5
-    while Path(f"/proc/{preflight}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not Path(f"/proc/{preflight}").exists(), "the pre-flight ended with the job"
+    argv = ["cpu:2", "--epochs", "1"]
+    code, err, preflight, _ = _signalled_while_waiting(argv, {**env, "PYTHON": str(slow)}, pid_file, signal.SIGTERM)
+    assert code == 143 and "launch.sh: SIGTERM before training: the job ends" in err
+    assert _gone(preflight), "the pre-flight ended with the job"
     assert started(tmp_path) is None, "no rank started"
 
 
@@ -403,24 +413,8 @@ def test_ctrl_c_while_nvidia_smi_hangs_ends_the_launch_at_once(env, tmp_path):
     """A hung driver: Ctrl-C (SIGINT to the launcher) waited for NVIDIA_SMI_TIMEOUT (60 s by default) before."""
     pid_file = tmp_path / "smi.pid"
     _script(tmp_path / "bin" / "nvidia-smi", f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
-    proc = subprocess.Popen(["bash", "launch.sh", "0", "--epochs", "1"], cwd=REPO, env={**os.environ, **env,
-                            "NVIDIA_SMI_TIMEOUT": "50"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 20
-        while not pid_file.exists() or not pid_file.read_text().strip():
-            assert time.monotonic() < deadline and proc.poll() is None, "nvidia-smi never started"
-            time.sleep(0.05)
-        smi = int(pid_file.read_text())
-        began = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=15)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130 and time.monotonic() - began < 5
-    assert "launch.sh: SIGINT while waiting for nvidia-smi -L: the job ends" in err.decode()
-    deadline = time.monotonic() + 5
-    while Path(f"/proc/{smi}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not Path(f"/proc/{smi}").exists() and started(tmp_path, "python") is None
+    argv = ["0", "--epochs", "1"]
+    code, err, smi, took = _signalled_while_waiting(argv, {**env, "NVIDIA_SMI_TIMEOUT": "50"}, pid_file, signal.SIGINT)
+    assert code == 130 and took < 5
+    assert "launch.sh: SIGINT while waiting for nvidia-smi -L: the job ends" in err
+    assert _gone(smi) and started(tmp_path, "python") is None
