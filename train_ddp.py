@@ -120,8 +120,8 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     epoch_progress = (state.epoch + state.step / rt.steps_per_epoch) / rt.cfg.epochs
     epochs_changed = saved_epochs is not None and saved_epochs != rt.cfg.epochs
     until_limit = rt.cfg.epochs >= UNTIL_TIME_LIMIT
-    job = TimeBudget.for_job(rt.cfg.time_limit, saved_budget, started, saved_progress, validates, launches)
-    progress = schedule_start(saved_budget, job, saved_progress, epoch_progress, epochs_changed, until_limit)
+    same_job = TimeBudget.same_job(rt.cfg.time_limit, saved_budget, launches)
+    progress = schedule_start(same_job, saved_progress, epoch_progress, epochs_changed, until_limit)
     # a new job's budget anneals from there (a restarted one's keeps its own start)
     state.budget = TimeBudget.for_job(rt.cfg.time_limit, saved_budget, started, progress, validates, launches)
     if progress < saved_progress - 1e-3:

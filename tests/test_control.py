@@ -146,22 +146,24 @@ def test_the_agent_is_asked_to_end_the_job_once_per_attempt_however_many_ranks_a
     assert not control.end_job_without_restart(), "not started by torchrun: nobody to ask"
 
 
-def test_a_resumed_schedule_goes_on_where_it_stood_only_within_one_job():
+def test_a_resumed_schedule_goes_on_where_it_stood_only_within_one_job(monkeypatch):
     """A torchrun restart keeps the time budget and the schedule's place in it. A new job (after a time
     budget annealed the schedule to its end), or a resume given more --epochs, starts at the epochs trained:
     holding the old end as a floor trained the whole next job at a learning rate near zero."""
     from unet3d.training.control import schedule_start
 
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a")
     saved = TimeBudget(limit_s=100, start_wall=10.0, start_progress=0.0, run_id="a")
-    same = TimeBudget(limit_s=100, start_wall=10.0, start_progress=0.0, run_id="a")
-    new = TimeBudget(limit_s=100, start_wall=500.0, start_progress=0.3, run_id="b")
-    assert schedule_start(saved, same, saved_progress=1.0, epoch_progress=0.3) == 1.0, "a torchrun restart"
-    assert schedule_start(saved, new, saved_progress=1.0, epoch_progress=0.3) == 0.3, "after an annealed job"
-    assert schedule_start(saved, new, saved_progress=0.5, epoch_progress=0.3) == 0.5, "after a preempted job"
+    same = TimeBudget.same_job(100, saved, launches=[10.0])  # a torchrun restart: the same launch.sh start
+    new = TimeBudget.same_job(100, saved, launches=[500.0])  # a new job: another launch.sh
+    assert same and not new and not TimeBudget.same_job(None, saved, [10.0])
+    assert schedule_start(same, saved_progress=1.0, epoch_progress=0.3) == 1.0, "a torchrun restart"
+    assert schedule_start(new, saved_progress=1.0, epoch_progress=0.3) == 0.3, "after an annealed job"
+    assert schedule_start(new, saved_progress=0.5, epoch_progress=0.3) == 0.5, "after a preempted job"
     # without --epochs (until the time limit) the epochs trained are no progress: a preempted job goes on, one
     # after an annealed job starts a new cycle
-    assert schedule_start(saved, new, 0.3, epoch_progress=4e-5, until_time_limit=True) == 0.3
-    assert schedule_start(saved, new, 1.0, epoch_progress=4e-5, until_time_limit=True) == 0.0
-    changed = schedule_start(None, None, saved_progress=0.97, epoch_progress=0.5, epochs_changed=True)
+    assert schedule_start(new, 0.3, epoch_progress=4e-5, until_time_limit=True) == 0.3
+    assert schedule_start(new, 1.0, epoch_progress=4e-5, until_time_limit=True) == 0.0
+    changed = schedule_start(False, saved_progress=0.97, epoch_progress=0.5, epochs_changed=True)
     assert changed == 0.5, "2 of 2 epochs, now of 4"
-    assert schedule_start(None, None, saved_progress=0.47, epoch_progress=0.5) == 0.47, "an unchanged resume"
+    assert schedule_start(False, saved_progress=0.47, epoch_progress=0.5) == 0.47, "an unchanged resume"

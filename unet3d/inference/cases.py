@@ -59,7 +59,6 @@ def folder_cases(folder: str | Path, in_channels: int) -> list[InputCase]:
         numbers = [n for n, _ in channels]
         if numbers == [0] or (in_channels > 1 and 0 in numbers):
             cases.append(InputCase(name, tuple(path for _, path in sorted(channels))))
-            single.setdefault(name, [])
         else:
             for _, path in channels:
                 single.setdefault(case_name(path), []).append(path)
@@ -71,7 +70,7 @@ def folder_cases(folder: str | Path, in_channels: int) -> list[InputCase]:
     ]
     if clashes:  # one of them would be segmented and the other silently not (both write NAME.nii.gz)
         raise ValueError(f"--images {folder}: files that name the same case ({'; '.join(clashes)}): rename or move one")
-    cases += [InputCase(name, (paths[0],)) for name, paths in single.items() if paths and name not in grouped]
+    cases += [InputCase(name, (paths[0],)) for name, paths in single.items() if name not in grouped]
     return sorted(cases, key=lambda c: c.name)
 
 

@@ -145,24 +145,37 @@ class TimeBudget:
         if limit_s is None:
             return None
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", f"pid{os.getpid()}")
-        stamps = [t for t in (launches if launches is not None else [launch_time()]) if t is not None]
-        same_job = (
-            saved is not None
-            and saved.run_id == run_id
-            and saved.limit_s == limit_s
-            and (not stamps or saved.start_wall in stamps)  # no launch.sh (bare torchrun): the run id decides
-        )
-        if same_job:
+        stamps = _stamps(launches)
+        if cls.same_job(limit_s, saved, launches):
             budget = cls(saved.limit_s, saved.start_wall, saved.start_progress, run_id)
         else:
             budget = cls(limit_s, min(stamps) if stamps else started, progress, run_id)
         budget.plan_reserve(None, validates)
         return budget
 
+    @staticmethod
+    def same_job(
+        limit_s: float | None, saved: TimeBudget | None, launches: Sequence[float | None] | None = None
+    ) -> bool:
+        """Whether `saved` is this job's budget (see `for_job`): a torchrun restart of the job that saved it."""
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", f"pid{os.getpid()}")
+        stamps = _stamps(launches)
+        return (
+            limit_s is not None
+            and saved is not None
+            and saved.run_id == run_id
+            and saved.limit_s == limit_s
+            and (not stamps or saved.start_wall in stamps)  # no launch.sh (bare torchrun): the run id decides
+        )
+
+
+def _stamps(launches: Sequence[float | None] | None) -> list[float]:
+    """The launch.sh starts given (this rank's own when none are), without the ranks started without it."""
+    return [t for t in (launches if launches is not None else [launch_time()]) if t is not None]
+
 
 def schedule_start(
-    saved_budget: TimeBudget | None,
-    budget: TimeBudget | None,
+    same_job: bool,
     saved_progress: float,
     epoch_progress: float,
     epochs_changed: bool = False,
@@ -175,13 +188,7 @@ def schedule_start(
     resume with another --epochs (the old progress was of the old count: more epochs held the old run's last
     rate), and after a schedule that a time budget annealed to its end while epochs remain (it kept every
     later job at a learning rate near zero): then from the epochs trained, or, training until the time limit
-    (no epoch count), from the start, a new cycle over the new budget."""
-    same_job = (
-        saved_budget is not None
-        and budget is not None
-        and (budget.start_wall, budget.run_id, budget.limit_s)
-        == (saved_budget.start_wall, saved_budget.run_id, saved_budget.limit_s)
-    )
+    (no epoch count), from the start, a new cycle over the new budget. `same_job`: `TimeBudget.same_job`."""
     if same_job:
         return saved_progress
     if epochs_changed and not until_time_limit:

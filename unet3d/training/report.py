@@ -62,9 +62,7 @@ class Reporter:
         """The validation a stop signal cut short, made up for after the resume: its line and TensorBoard."""
         log_validation(self.writer, epoch, val, self.class_names)
         self.writer.flush()
-        per_class = ", ".join(f"{n} {v:.3f}" for n, v in zip(self.class_names[1:], val.per_class))
-        best = " new best" if is_best else ""
-        get_logger().info(f"epoch {epoch} validated on resuming: val Dice {val.mean_dice:.4f} ({per_class}){best}")
+        get_logger().info(f"epoch {epoch} validated on resuming: {validation_words(val, self.class_names, is_best)}")
 
     def close(self) -> None:
         self.writer.close()
@@ -91,9 +89,14 @@ def epoch_summary(
     if stats.overflowed:
         line += f", {stats.overflowed} step(s) skipped for fp16 loss-scale overflow"
     if val is not None:
-        per_class = ", ".join(f"{n} {v:.3f}" for n, v in zip(class_names[1:], val.per_class))
-        line += f", val Dice {val.mean_dice:.4f} ({per_class})" + (" new best" if is_best else "")
+        line += f", {validation_words(val, class_names, is_best)}"
     return line
+
+
+def validation_words(val: ValResult, class_names: Sequence[str], is_best: bool) -> str:
+    """ "val Dice 0.9123 (organ 0.950, lesion 0.875) new best", as the epoch line and a made-up validation say it."""
+    per_class = ", ".join(f"{n} {v:.3f}" for n, v in zip(class_names[1:], val.per_class))
+    return f"val Dice {val.mean_dice:.4f} ({per_class})" + (" new best" if is_best else "")
 
 
 STEPS_FOLDER = "steps"  # under OUT/tensorboard: train/loss_step, by global step
