@@ -60,6 +60,7 @@ from unet3d.inference.predictor import (
 )
 from unet3d.inference.sliding_window import overlap_problem
 from unet3d.precision import AMP_CHOICES, MEMORY_FORMAT_CHOICES, format_name, resolve_amp, resolve_memory_format
+from unet3d.shutdown import exit_with
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -513,4 +514,4 @@ def _strip(argv: list[str], options: tuple[str, ...]) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -24,6 +24,7 @@ from data.dataset import close_loader
 from unet3d.checkpoint import load_checkpoint
 from unet3d.files import writable_folder
 from unet3d.loss import build_loss
+from unet3d.shutdown import exit_with
 from unet3d.training import dist
 from unet3d.training.checkpointing import (
     check_resumable,
@@ -139,7 +140,7 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     control = StepControl(rt.device, rt.cfg.max_bad_steps, state.budget, started)
     control.progress_floor = progress
     if rt.cfg.profile and (rt.is_main or rt.cfg.profile_every_rank):
-        control.profiler = profiler(rt.cfg.profile, rt.out_dir, rt.device)
+        control.profiler = profiler(rt.cfg.profile, rt.out_dir, rt.device, info.rank)
     reporter = Reporter(rt, state, data.spec.class_names) if rt.is_main else None
 
     stats, pending = None, state.validation_pending and validates
@@ -191,4 +192,4 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())
