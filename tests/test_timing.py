@@ -1,5 +1,5 @@
 """Where each rank's time goes: the spans, the diagnoses, TensorBoard's time/ scalars, the profiler; end to end
-with two gloo ranks, one of them slowed by a test hook (its data, or its steps), and a balanced run."""
+with two gloo ranks, one of them slowed by a test hook (its data, or its steps)."""
 
 from __future__ import annotations
 
@@ -48,16 +48,15 @@ def test_a_rank_with_slow_data_is_named_with_its_data_wait(shared, tmp_path):
     assert tags["time/sync_wait_frac_max"][-1][1] > 0.2, "the other rank waits for it at the meeting"
 
 
-def test_a_slow_rank_is_named_as_the_straggler(shared, tmp_path):
-    stdout = launch(shared, tmp_path / "run", env={"UNET3D_SLOW_STEP": "1:0.1"})
+def test_a_slow_rank_is_named_as_the_straggler_and_every_step_is_logged_and_profiled(shared, tmp_path):
+    """Each slowed run names exactly one cause: the slow-data run no straggler, this run no data wait, so a
+    diagnosis that fired without its cause would fail the other run (a balanced run of its own, saying
+    nothing, cost one more launch). This run also carries what every run logs: the epoch line's spans, one
+    point per step, TensorBoard's time/ scalars per epoch, and each rank's profile of its first steps."""
+    out = tmp_path / "run"
+    stdout = launch(shared, out, "--profile", "3", "--profile-every-rank", env={"UNET3D_SLOW_STEP": "1:0.1"})
     lines = [line for line in stdout.splitlines() if "diagnosis:" in line]
     assert len(lines) == 1 and "diagnosis: rank 1 is" in lines[0] and "slower than the others" in lines[0], lines
-
-
-def test_a_balanced_run_says_nothing_and_logs_every_step_and_a_profile(shared, tmp_path):
-    out = tmp_path / "run"
-    stdout = launch(shared, out, "--profile", "3")
-    assert "diagnosis:" not in stdout
     assert "sample(s) per rank per epoch" in stdout and "CPU(s) per rank on this node" in stdout
     assert "data wait" in stdout and "sync wait" in stdout
     tags = scalars(out)
@@ -66,9 +65,15 @@ def test_a_balanced_run_says_nothing_and_logs_every_step_and_a_profile(shared, t
         assert [s for s, _ in tags[tag]] == [1, 2], tag
     for tag in ("time/epoch_s", "time/samples_per_s"):  # README's TensorBoard table
         assert [s for s, _ in tags[tag]] == [1, 2] and all(v > 0 for _, v in tags[tag]), tag
-    traces = list((out / "profile").glob("*.pt.trace.json"))
-    assert len(traces) == 1 and traces[0].stat().st_size > 1000, "rank 0's trace, for TensorBoard or Perfetto"
-    assert f"profile: {traces[0]} (TensorBoard's profiler plugin" in stdout, "the log names the file"
+    assert tags["time/compute_s_max"][-1][1] > tags["time/compute_s"][-1][1], "the slowed rank's steps, the max"
+    # --profile-every-rank: a trace per rank, for TensorBoard or Perfetto, each rank's log naming its own
+    traces = sorted((out / "profile").glob("*.pt.trace.json"))
+    assert [t.name.split("_")[0] for t in traces] == ["rank0", "rank1"], traces
+    assert all(t.stat().st_size > 1000 for t in traces)
+    assert f"profile: {traces[0]} (TensorBoard's profiler plugin" in stdout and str(traces[1]) not in stdout
+    for rank, trace in enumerate(traces):
+        log = (out / "logs" / f"rank{rank}.log").read_text()
+        assert f"profile: {trace} (" in log and str(traces[1 - rank]) not in log, rank
 
 
 def table(*rows: dict) -> EpochTiming:

@@ -16,6 +16,8 @@ can report min/mean/max over ranks and say, once, in plain words, what holds the
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -186,22 +188,25 @@ class EpochTiming:
         return found
 
 
-def _traced(folder: Path):
-    """TensorBoard's trace handler, which then names the file it wrote (it said nothing)."""
-    write = torch.profiler.tensorboard_trace_handler(str(folder))
+def _traced(folder: Path, rank: int):
+    """TensorBoard's trace handler, which then names the file it wrote (it said nothing). The file's name
+    holds the rank, the host and the pid: with --profile-every-rank the ranks write into one folder at about
+    the same time, and each names its own file only."""
+    worker = f"rank{rank}_{socket.gethostname()}_{os.getpid()}"
+    write = torch.profiler.tensorboard_trace_handler(str(folder), worker_name=worker)
 
     def handler(prof) -> None:
-        before = set(folder.glob("*.pt.trace.json")) if folder.is_dir() else set()
+        before = set(folder.glob(f"{worker}.*.pt.trace.json")) if folder.is_dir() else set()
         write(prof)
-        for path in sorted(set(folder.glob("*.pt.trace.json")) - before):
+        for path in sorted(set(folder.glob(f"{worker}.*.pt.trace.json")) - before):
             get_logger().info(f"profile: {path} (TensorBoard's profiler plugin or https://ui.perfetto.dev)")
 
     return handler
 
 
-def profiler(steps: int, out_dir: Path, device: torch.device):
+def profiler(steps: int, out_dir: Path, device: torch.device, rank: int = 0):
     """A torch.profiler for `steps` steps after one of warm-up, writing a trace that TensorBoard's profiler
-    plugin and Perfetto open (OUT/profile/*.pt.trace.json); None when `steps` is 0."""
+    plugin and Perfetto open (OUT/profile/rankR_HOST_PID.*.pt.trace.json); None when `steps` is 0."""
     if steps <= 0:
         return None
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -210,6 +215,6 @@ def profiler(steps: int, out_dir: Path, device: torch.device):
     return torch.profiler.profile(
         activities=activities,
         schedule=torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1),
-        on_trace_ready=_traced(out_dir / "profile"),
+        on_trace_ready=_traced(out_dir / "profile", rank),
         record_shapes=False,
     )
