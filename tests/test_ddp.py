@@ -143,13 +143,13 @@ def test_distributed_validation_equals_single_process(tmp_path, alone):
     torch.testing.assert_close(
         single["per_class"], torch.tensor(by_hand, dtype=torch.float64).mean(0)[1:], rtol=0, atol=1e-12
     )
-    for world in (2, 3):
-        spawn_ranks(run_validation, world, tmp_path / f"w{world}.pt")
-        for rank in range(world):
-            got = torch.load(tmp_path / f"w{world}_{rank}.pt", weights_only=True)
-            assert got["n"] == 5, "every case exactly once, no padding duplicates"
-            torch.testing.assert_close(got["per_class"], single["per_class"], rtol=0, atol=1e-12)
-            assert abs(got["mean"] - single["mean"]) < 1e-12
+    # Three ranks: shards of 2, 2 and 1 cases (the end-to-end runs validate on 2 and on 6 ranks).
+    spawn_ranks(run_validation, 3, tmp_path / "w3.pt")
+    for rank in range(3):
+        got = torch.load(tmp_path / f"w3_{rank}.pt", weights_only=True)
+        assert got["n"] == 5, "every case exactly once, no padding duplicates"
+        torch.testing.assert_close(got["per_class"], single["per_class"], rtol=0, atol=1e-12)
+        assert abs(got["mean"] - single["mean"]) < 1e-12
 
 
 def validation_asked_to_stop(info: dist.DistInfo, out: Path) -> None:
@@ -180,23 +180,26 @@ def evaluate_case(model, image, label) -> list[float]:
     return [1.0] + [row["dice"] for row in case_metrics(pred, label, 3, (1.0, 1.0, 1.0))]
 
 
-def one_step_channels_last(info: dist.DistInfo, out: Path, threads: int) -> None:
-    """Two training steps with the model channels-last and DDP set up as train_ddp.py does it."""
+def one_step_channels_last(info: dist.DistInfo, out: Path, threads: tuple[int, ...]) -> None:
+    """Two training steps with the model channels-last and DDP set up as train_ddp.py does it, once with
+    each number of threads (one process group, a fresh model and wrapper each time)."""
     import json
     import warnings
 
     from unet3d.precision import apply_memory_format
 
-    torch.set_num_threads(threads)  # the weight gradients' strides of 1x1x1 kernels depend on it
-    torch.manual_seed(0)
-    model = apply_memory_format(UNet3D(1, 3, (4, 8, 16)), torch.channels_last_3d)
-    wrapped = DDP(model, gradient_as_bucket_view=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        sgd_steps(info, wrapped, model, my_share(info), 2)
-    (out / f"warnings{info.rank}.json").write_text(json.dumps([str(w.message) for w in caught]))
-    if info.is_main:
-        torch.save({"model": model.state_dict()}, out / "ddp.pt")
+    for n in threads:
+        torch.set_num_threads(n)  # the weight gradients' strides of 1x1x1 kernels depend on it
+        torch.manual_seed(0)
+        model = apply_memory_format(UNet3D(1, 3, (4, 8, 16)), torch.channels_last_3d)
+        wrapped = DDP(model, gradient_as_bucket_view=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sgd_steps(info, wrapped, model, my_share(info), 2)
+        (out / f"warnings{n}_{info.rank}.json").write_text(json.dumps([str(w.message) for w in caught]))
+        if info.is_main:
+            torch.save({"model": model.state_dict()}, out / f"ddp{n}.pt")
+        del wrapped
 
 
 def test_channels_last_ranks_step_as_the_contiguous_model_without_stride_warnings(tmp_path, alone):
@@ -206,13 +209,11 @@ def test_channels_last_ranks_step_as_the_contiguous_model_without_stride_warning
     torch.manual_seed(0)
     model = UNet3D(1, 3, (4, 8, 16))
     sgd_steps(dist.DistInfo(0, 0, 1, 1, torch.device("cpu")), model, model, make_batch(), 2)
+    spawn_ranks(one_step_channels_last, 2, tmp_path, (1, 2))
     for threads in (1, 2):
-        out = tmp_path / str(threads)
-        out.mkdir()
-        spawn_ranks(one_step_channels_last, 2, out, threads)
         for rank in (0, 1):
-            caught = json.loads((out / f"warnings{rank}.json").read_text())
+            caught = json.loads((tmp_path / f"warnings{threads}_{rank}.json").read_text())
             assert not [w for w in caught if "strides" in w], caught
-        ddp = torch.load(out / "ddp.pt", map_location="cpu", weights_only=True)["model"]
+        ddp = torch.load(tmp_path / f"ddp{threads}.pt", map_location="cpu", weights_only=True)["model"]
         for key, value in model.state_dict().items():
-            torch.testing.assert_close(ddp[key], value, rtol=1e-4, atol=1e-5, msg=key)
+            torch.testing.assert_close(ddp[key], value, rtol=1e-4, atol=1e-5, msg=(threads, key))

@@ -3,7 +3,8 @@
 validation Dice `evaluate.py --split val` reproduces. Six ranks hold more than the five validation cases of
 the default split, so some ranks validate nothing and still take part in every collective. Two processes
 (`bash launch.sh cpu`, the README's quick start) are walked by the GPU recipe's test below, with the same
-checks (its first launch spells it `cpu`, as the quick start does), and by most tests of other modules."""
+checks (its first launch spells it `cpu`, as the quick start does), and by most tests of other modules.
+Two launches also find their interpreter as the README's PYTHON paragraph says (`interpreter_env`)."""
 
 from __future__ import annotations
 
@@ -67,8 +68,11 @@ def test_single_process_without_a_launcher(shared, tmp_path):
     assert summary["num_cases"] == 5 and abs(summary["mean_dice"] - best["best_metric"]) < 1e-4
 
     # Between epochs a job may continue on more ranks: the one process's generator states fit none of them.
-    more = run(["bash", "launch.sh", "cpu:2", *options(shared, out), "--epochs", "2"], timeout=300)
+    # (launched with no torchrun on PATH: `python3 -m torch.distributed.run`)
+    env = interpreter_env(tmp_path, "no torchrun on PATH")
+    more = run(["bash", str(REPO / "launch.sh"), "cpu:2", *options(shared, out), "--epochs", "2"], env=env, timeout=300)
     assert more.returncode == 0, f"stdout:\n{more.stdout}\nstderr:\n{more.stderr}"
+    check_interpreter(tmp_path)
     assert "1 epoch(s) and 0 step(s) done" in more.stdout and "epoch 2/2: loss" in more.stdout
     assert "was written by 1 rank(s), this run has 2: the random generators start from the seed" in more.stdout
     last = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
@@ -95,9 +99,12 @@ def test_launch_cpu_n_trains_and_evaluate_reproduces_best(shared, tmp_path, worl
         data = (shared / "syn" / folder_name(24, 64, 0, "uniform")).resolve()
         caches = [p.name for p in (tmp_path / "runs" / "cache").iterdir()]
         assert len(caches) == 1 and caches[0].startswith(f"{data.name}-"), caches
-    else:
-        result = run(["bash", "launch.sh", f"cpu:{world}", *options(shared, out)], timeout=300)
+    else:  # (launched by an interpreter given as PYTHON)
+        env = interpreter_env(tmp_path, "PYTHON set")
+        result = run(["bash", "launch.sh", f"cpu:{world}", *options(shared, out)], env=env, timeout=300)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    if world > 1:
+        check_interpreter(tmp_path)
     best = check_trained(out, result.stdout, world)
     # with 6 ranks, rank 5 holds no validation case; it joined every collective, or the run would hang
     assert sorted(p.name for p in (out / "logs").iterdir()) == [f"rank{r}.log" for r in range(world)]
@@ -212,26 +219,27 @@ def _interpreter(path: Path, log: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("form", ["PYTHON set", "no torchrun on PATH"])
-def test_launch_runs_the_ranks_under_the_interpreter_it_is_given_or_finds(shared, tmp_path, form):
-    """`PYTHON=... bash launch.sh cpu:2` (README): the pre-flight and the ranks under that interpreter, via
-    `$PYTHON -m torch.distributed.run`, though a `torchrun` of another interpreter comes first on PATH.
-    Without PYTHON and with no `torchrun` on PATH, `python3 -m torch.distributed.run`. Real runs, both."""
+def interpreter_env(tmp_path: Path, form: str) -> dict[str, str]:
+    """The environment of a launch that finds its interpreter by `form` (README: `PYTHON=... bash launch.sh`):
+    "PYTHON set": the pre-flight and the ranks under that interpreter, via `$PYTHON -m torch.distributed.run`,
+    though a `torchrun` of another interpreter comes first on PATH; "no torchrun on PATH" (and no PYTHON):
+    `python3 -m torch.distributed.run`. The interpreter notes its calls for `check_interpreter`. Each form
+    rides on a real training launch of a test above, which checks what it trained."""
     log, bin_dir = tmp_path / "calls.log", tmp_path / "bin"
-    decoy = bin_dir / "torchrun"
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}  # this venv's bin (its torchrun, python3) left out
     if form == "PYTHON set":
         env["PYTHON"] = str(_interpreter(tmp_path / "py" / "python", log))
         bin_dir.mkdir()
+        decoy = bin_dir / "torchrun"
         decoy.write_text(f"#!/bin/sh\ntouch {tmp_path / 'decoy-ran'}\nexit 1\n")  # another env's torchrun
         decoy.chmod(0o755)
     else:
         _interpreter(bin_dir / "python3", log)
-    out = tmp_path / "run"
-    result = run(["bash", "launch.sh", "cpu:2", *options(shared, out)], env=env, timeout=300)
-    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    check_trained(out, result.stdout, world=2)
-    calls = log.read_text().splitlines()
+    return env
+
+
+def check_interpreter(tmp_path: Path) -> None:
+    calls = (tmp_path / "calls.log").read_text().splitlines()
     assert any(c.endswith("--prepare-only") for c in calls), calls  # the pre-flight
     assert any(c.startswith("-m torch.distributed.run ") for c in calls), calls  # the agent: its ranks run
     # under the agent's own interpreter (sys.executable), the one the wrapper started
