@@ -10,7 +10,6 @@ printing) are left to rank 0.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -47,7 +46,7 @@ from unet3d.training.control import (
     tell_the_launcher,
 )
 from unet3d.training.epoch import train_one_epoch
-from unet3d.training.faults import inject_faults
+from unet3d.training.faults import inject_faults, slow_start
 from unet3d.training.loading import make_loader, open_cases, prepare_data
 from unet3d.training.logs import get_logger, setup_logging
 from unet3d.training.preflight import preflight
@@ -67,13 +66,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     if cfg.prepare_only:
         return preflight(cfg)  # launch.sh's check, before any rank starts
+    slow_start()  # (a test hook)
     try:
         info = dist.setup(timedelta(seconds=cfg.dist_timeout), timedelta(seconds=cfg.setup_timeout))
     except ValueError as e:  # no process group yet: every rank of this node finds the same (its GPUs, its
-        # environment), and a restart would find it again
+        # environment), and a restart would find it again. Each rank asks torchrun to end the job: one that
+        # only exited would be restarted when its exit reached the agent before another rank's request.
         print(f"error: {e}", file=sys.stderr)
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            end_job_without_restart()
+        end_job_without_restart()
         return 2
     setup_logging(info.rank)  # the console, until the run folder is known to take files
     try:

@@ -228,8 +228,9 @@ def end_job_without_restart() -> bool:
     """Ask torchrun's agent (this worker's parent) to end the job instead of restarting it.
 
     For failures a restart would only repeat (bad input, repeated non-finite steps, running out of GPU
-    memory). The agent then stops every worker of its node. Returns whether it asked (False when this
-    process was not started by torchrun).
+    memory). The agent then stops every worker of its node. Call it before exiting, from every rank that
+    fails so: the agent restarts the job when a worker's exit reaches it first. Returns whether the agent
+    was asked, by this rank or another of its attempt (False when this process was not started by torchrun).
     """
     if "TORCHELASTIC_RUN_ID" not in os.environ or os.getppid() <= 1:
         return False
@@ -349,11 +350,13 @@ def fail_together(error: Exception, info: dist.DistInfo) -> int:
     and the job ends without torchrun restarting it. Returns the exit code: 2 for bad input, else 1."""
     log = get_logger()
     (log.error if info.is_main else lambda m: file_only(log, m))(f"error: {error}")
-    # Stopping the agent stops every local rank: first give them a moment to record the verdict too (only
-    # this node's: another node's ranks are its own agent's to stop, and may count restarts apart).
+    # Stopping the agent stops every local rank, so each first waits until this node's ranks have all
+    # recorded the verdict (another node's ranks are its own agent's to stop, and may count restarts apart).
+    # Then every rank asks (one signal reaches the agent): a rank that only exited is a failed worker, which
+    # torchrun restarts when it notices that before another rank's request (rank 0 waiting here, rank 1 gone).
     node = info.rank - info.local_rank  # ranks are numbered contiguously per node
-    dist.arrive(f"failed/node{node}", wait=10.0 if info.local_rank == 0 else 0.0, expected=info.local_world_size)
-    if info.local_rank == 0 and end_job_without_restart():
+    dist.arrive(f"failed/node{node}", wait=10.0, expected=info.local_world_size)
+    if end_job_without_restart():
         file_only(log, "asked torchrun to end the job: a restart would repeat this failure")
     return 1 if isinstance(error, TrainingError) else 2
 

@@ -5,8 +5,10 @@ from 0 over the whole run: epoch * steps_per_epoch + step), so the non-finite gu
 through the real training loop; UNET3D_FAULT_OOM (same form) raises torch.cuda.OutOfMemoryError there instead,
 as a GPU that runs out of memory does. UNET3D_SLOW_DATA="RANK:SECONDS" makes that rank's every sample
 take that much longer to load, UNET3D_SLOW_STEP="RANK:SECONDS" every training step (a slower GPU, a busy
-host), so the diagnoses of `unet3d.training.timing` are tested end to end. In a normal run the loss
-function and the dataset are returned untouched.
+host), so the diagnoses of `unet3d.training.timing` are tested end to end. UNET3D_SLOW_START="LOCAL_RANK:SECONDS"
+holds that local rank back before it sets up the process group (a rank whose node is slower to start it),
+so the order in which ranks fail at start-up is fixed. In a normal run the loss function and the dataset
+are returned untouched, and no rank waits.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 FAULT_NAN, FAULT_OOM = "UNET3D_FAULT_NAN", "UNET3D_FAULT_OOM"
-SLOW_DATA, SLOW_STEP = "UNET3D_SLOW_DATA", "UNET3D_SLOW_STEP"
+SLOW_DATA, SLOW_STEP, SLOW_START = "UNET3D_SLOW_DATA", "UNET3D_SLOW_STEP", "UNET3D_SLOW_START"
 
 
 def fault_steps(spec: str, rank: int) -> set[int]:
@@ -88,3 +90,10 @@ def inject_faults(loss: nn.Module, rank: int, first_step: int) -> nn.Module:
     oom = fault_steps(os.environ.get(FAULT_OOM, ""), rank)
     slow = delay(os.environ.get(SLOW_STEP, ""), rank)
     return FaultyLoss(loss, nan, oom, first_step, slow) if nan or oom or slow else loss
+
+
+def slow_start() -> None:
+    """Sleep as long as UNET3D_SLOW_START gives this process's LOCAL_RANK (not at all in a normal run)."""
+    seconds = delay(os.environ.get(SLOW_START, ""), int(os.environ.get("LOCAL_RANK", "0")))
+    if seconds > 0:
+        time.sleep(seconds)
