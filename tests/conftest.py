@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from data.synthetic import write_synthetic_dataset
+from tests.helpers import run, small_options, small_synthetic
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +22,19 @@ def alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """No torchrun environment in this test process: the distributed accessors answer for one process."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def small_shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`small_synthetic`'s six cases and one preprocessing cache, for the runs of every module (`small_options`)."""
+    return small_synthetic(tmp_path_factory, "small")
+
+
+@pytest.fixture(scope="session")
+def two_epoch_run(small_shared: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`bash launch.sh cpu:2` for two epochs with `small_options`, nothing interrupting it: (its out dir, named
+    run, and the finished process). Tests read it, or add an evaluation folder; to resume it, copy it."""
+    out = tmp_path_factory.mktemp("two_epochs") / "run"
+    result: subprocess.CompletedProcess = run(["bash", "launch.sh", "cpu:2", *small_options(small_shared, out, 2)])
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return out, result

@@ -144,3 +144,14 @@ def small_synthetic(tmp_path_factory, name: str) -> Path:
     root = tmp_path_factory.mktemp(name)
     write_synthetic_dataset(root / "data", num_cases=6, size=32, seed=0, num_test=0)
     return root
+
+
+SMALL_EPOCH_STEPS = 8  # 32 samples per epoch, batch 2, two ranks
+
+
+def small_options(shared: Path, out: Path, epochs: int, *extra: str) -> list[str]:
+    """train_ddp.py's options for two ranks on `small_synthetic`'s dataset under `shared` (half of its six cases
+    for validation, so both ranks score some) and its cache, `SMALL_EPOCH_STEPS` steps per epoch."""
+    data = ["--data-dir", str(shared / "data"), "--cache-dir", str(shared / "cache"), "--out-dir", str(out)]
+    run_length = ["--epochs", str(epochs), "--samples-per-epoch", str(4 * SMALL_EPOCH_STEPS)]
+    return [*data, "--val-fraction", "0.5", *run_length, "--num-workers", "1", *extra]

@@ -46,7 +46,7 @@ def check_trained(out: Path, stdout: str, world: int) -> dict:
 
 
 def evaluate_val(out: Path) -> dict:
-    """evaluate.py in this process (the subprocess form runs in test_single_process_...)."""
+    """evaluate.py in this process (its command line is walked by test_train_e2e and test_folds)."""
     argv = ["--checkpoint", str(out / "checkpoints" / "best.pt"), "--split", "val", "--device", "cpu"]
     assert evaluate.main([*argv, "--out-dir", str(out / "eval")]) == 0
     return json.loads((out / "eval" / "summary.json").read_text())
@@ -59,12 +59,7 @@ def test_single_process_without_a_launcher(shared, tmp_path):
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     best = check_trained(out, result.stdout, world=1)
     assert "done. checkpoint:" in result.stdout
-    best_pt = str(out / "checkpoints" / "best.pt")
-    evaluated = run(
-        ["python", "evaluate.py", "--checkpoint", best_pt, "--split", "val", "--device", "cpu"], timeout=120
-    )
-    assert evaluated.returncode == 0, evaluated.stderr
-    summary = json.loads((out / "eval_val" / "summary.json").read_text())
+    summary = evaluate_val(out)  # (evaluate.py's command line: test_train_e2e, test_folds)
     assert summary["num_cases"] == 5 and abs(summary["mean_dice"] - best["best_metric"]) < 1e-4
 
     # Between epochs a job may continue on more ranks: the one process's generator states fit none of them.

@@ -17,37 +17,18 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import REPO, free_port, rendezvous_address, run, small_synthetic
+from tests.helpers import REPO, SMALL_EPOCH_STEPS, free_port, rendezvous_address, run, small_options
 from unet3d.training.config import parse_args
 from unet3d.training.preflight import preflight
 
-EPOCH_STEPS = 8  # 32 samples per epoch, batch 2, two ranks
+EPOCH_STEPS = SMALL_EPOCH_STEPS
+options = small_options
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory) -> Path:
-    """A synthetic dataset and its cache shared by the runs of this module."""
-    return small_synthetic(tmp_path_factory, "reliability")
-
-
-def options(shared: Path, out: Path, epochs: int, *extra: str) -> list[str]:
-    return [
-        "--data-dir",
-        str(shared / "data"),
-        "--cache-dir",
-        str(shared / "cache"),
-        "--out-dir",
-        str(out),
-        "--val-fraction",
-        "0.5",
-        "--epochs",
-        str(epochs),
-        "--samples-per-epoch",
-        str(4 * EPOCH_STEPS),
-        "--num-workers",
-        "1",
-        *extra,
-    ]
+def shared(small_shared) -> Path:
+    """The synthetic dataset and cache shared by the runs of this module (and of others)."""
+    return small_shared
 
 
 def launch(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -130,12 +111,9 @@ def test_sigkill_of_one_rank_mid_epoch_resumes_and_completes(shared, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(shared, tmp_path_factory) -> Path:
-    """The out dir of a run of two epochs that nothing interrupted (read only: copy it to resume it)."""
-    full = tmp_path_factory.mktemp("uninterrupted") / "run"
-    result = launch(*options(shared, full, 2))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return full
+def uninterrupted(two_epoch_run) -> Path:
+    """The out dir of a run of two epochs that nothing interrupted, with `options` (copy it to resume it)."""
+    return two_epoch_run[0]
 
 
 def test_sigterm_stops_all_ranks_and_resuming_equals_an_uninterrupted_run(shared, uninterrupted, tmp_path):
@@ -391,10 +369,13 @@ def test_the_ranks_check_the_dataset_too_and_fail_together_without_restarts(shar
 def test_a_rank_that_finds_no_usable_gpu_ends_the_job_once_without_restarts(shared, tmp_path):
     """launch.sh was given GPU ids, but this torch sees none (a CPU build, a driver CUDA cannot use: NVML,
     which the pre-flight asks, may still list the cards). The ranks find it before any process group exists:
-    each says so once and the job ends with exit 2, not 1 after torchrun restarted it 3 times."""
+    each says so once and the job ends with exit 2, not 1 after torchrun restarted it 3 times. Local rank 0
+    is held back, so rank 1 fails first: its exit alone would reach the agent as a failed worker, and the
+    agent restarted the job before rank 0 asked it to end (a race that the order of the tests decided)."""
     command = ["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "train_ddp.py"]
     command += ["--data-dir", str(shared / "data"), "--out-dir", str(tmp_path / "run")]
     env = {"CUDA_VISIBLE_DEVICES": "", "UNET3D_EXPECT_CUDA": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env["UNET3D_SLOW_START"] = "0:3"
     result = run(command, env={**env, "OMP_NUM_THREADS": "1"}, timeout=60)
     assert result.returncode != 0
     said = result.stderr.count("error: launch.sh was given GPUs (CUDA_VISIBLE_DEVICES=)")

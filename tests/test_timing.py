@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import run, small_synthetic
+from tests.helpers import run
 from unet3d.training.timing import FIELDS, EpochTiming
 
 STEPS = 8  # 32 samples per epoch, batch 2, two ranks
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory) -> Path:
-    return small_synthetic(tmp_path_factory, "timing")
+def shared(small_shared) -> Path:
+    return small_shared
 
 
 def launch(shared: Path, out: Path, *extra: str, env: dict | None = None):

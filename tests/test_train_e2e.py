@@ -1,4 +1,5 @@
-"""End to end: `bash launch.sh cpu:2` with the real torchrun, on the synthetic default and on another dataset."""
+"""End to end: `bash launch.sh cpu:2` with the real torchrun, on six synthetic cases (the run that
+test_reliability interrupts and resumes) and on another dataset."""
 
 from __future__ import annotations
 
@@ -17,10 +18,6 @@ from tests.helpers import run
 from unet3d.inference.pictures import class_colours
 
 CHECKPOINT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "best_metric", "config"}
-
-
-# Half of six cases for validation, so both ranks score some.
-SYNTHETIC = ("--synthetic-cases", "6", "--synthetic-size", "32", "--val-fraction", "0.5")
 
 
 def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
@@ -53,11 +50,11 @@ def launch(tmp: Path, *extra: str, epochs: int = 2) -> tuple[int, str, str]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, str, str]:
-    tmp = tmp_path_factory.mktemp("e2e")
-    rc, out, err = launch(tmp, *SYNTHETIC)
-    assert rc == 0, f"stdout:\n{out}\nstderr:\n{err}"
-    return tmp, out, err
+def trained(two_epoch_run) -> tuple[Path, str, str]:
+    """Two epochs on six synthetic cases of 32 mm (half for validation, so both ranks score some), the run
+    test_reliability resumes (conftest's `two_epoch_run`): (the folder holding it as run/, stdout, stderr)."""
+    out, result = two_epoch_run
+    return out.parent, result.stdout, result.stderr
 
 
 def test_checkpoint_is_unwrapped_and_safe_to_load(trained):
@@ -132,16 +129,6 @@ def test_output_shows_world_size_and_one_progress_bar(trained):
     assert len(bars) == 1, f"expected one progress bar for epoch 1, got {len(bars)}"
     assert "[rank 1]" not in out, "rank 1 reports nothing but warnings and errors"
     assert "epoch 2/2: loss" in out
-
-
-def test_resume_continues_with_the_next_epoch(trained):
-    tmp, _, _ = trained
-    rc, out, err = launch(tmp, *SYNTHETIC, epochs=3)
-    assert rc == 0, err
-    assert "resumed from" in out and "2 epoch(s) and 0 step(s) done" in out
-    assert "epoch 1/3" not in out and "epoch 3/3: loss" in out
-    assert torch.load(tmp / "run/checkpoints/last.pt", map_location="cpu", weights_only=True)["epoch"] == 3
-    assert [s for s, _ in scalars(tmp / "run", "train/loss")] == [1, 2, 3]
 
 
 def write_two_channel_ct_dataset(root: Path, n: int = 5) -> Path:
