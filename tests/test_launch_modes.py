@@ -20,6 +20,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import evaluate
 from data.synthetic import folder_name
 from tests.helpers import REPO, run
+from unet3d.training.config import parse_args
+from unet3d.training.preflight import preflight
 
 # The defaults (24 synthetic cases of 64 x 64 x 40, the CPU network and patch), with one short epoch.
 SHORT = ("--epochs", "1", "--samples-per-epoch", "12", "--num-workers", "0")
@@ -135,7 +137,7 @@ def test_an_out_dir_that_cannot_be_written_is_refused_before_training(shared, tm
     assert str(tmp_path / "taken" / "syn") in unwritten.stdout and "Traceback" not in unwritten.stderr
 
 
-def test_the_gpu_recipe_trains_evaluates_and_resumes_on_the_cpu(shared, tmp_path):
+def test_the_gpu_recipe_trains_evaluates_and_resumes_on_the_cpu(shared, tmp_path, capsys):
     """The GPU defaults' ingredients (deep supervision, nnU-Net's augmentation) through every stage on two
     gloo ranks (`launch.sh cpu`, whose default is two): the checkpoint holds the auxiliary heads, evaluate.py
     reproduces the best validation, a resumed run with `auto` follows the checkpoint's model (this device's
@@ -156,9 +158,11 @@ def test_the_gpu_recipe_trains_evaluates_and_resumes_on_the_cpu(shared, tmp_path
     assert "resumed from" in resumed.stdout and "epoch 2/2: loss" in resumed.stdout
     assert "deep supervision on, augmentation basic" in resumed.stdout, "auto follows the checkpoint's model"
 
-    changed = run(["bash", "launch.sh", "cpu:2", *options(shared, out), "--epochs", "3", "--deep-supervision", "off"])
-    assert changed.returncode == 2, changed.stdout
-    assert "deep_supervision (checkpoint on, now off)" in changed.stdout
+    # the pre-flight that launch.sh runs (`train_ddp.py --prepare-only`), in this process: it refuses the change
+    capsys.readouterr()
+    changed = ["--epochs", "3", "--deep-supervision", "off", "--prepare-only"]
+    assert preflight(parse_args([*options(shared, out), *changed])) == 2
+    assert "deep_supervision (checkpoint on, now off)" in capsys.readouterr().out
 
 
 def test_mixed_acquisitions_train_and_predict_on_each_scans_own_grid(tmp_path):
