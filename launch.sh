@@ -142,10 +142,11 @@ else
   # trap during `wait`, but only after a foreground command has ended)
   listed=$(mktemp "${TMPDIR:-/tmp}/unet3d-smi.XXXXXX" 2>/dev/null || mktemp /tmp/unet3d-smi.XXXXXX) ||
     die "cannot create a temporary file in ${TMPDIR:-/tmp} or /tmp"
-  "${smi[@]}" >"$listed" 2>/dev/null &
-  smi_pid=$!
+  # The traps come first: a signal between starting it and trapping ended the launch and left it running.
+  smi_pid=''
   stop_waiting() {  # $1: the signal's name, $2: its number
-    kill -s TERM "$smi_pid" 2>/dev/null || true
+    local pid=${smi_pid:-${!:-}}  # ($!: started, its pid not yet kept)
+    [[ -z $pid ]] || kill -s TERM "$pid" 2>/dev/null || true
     rm -f "$listed"
     echo "launch.sh: SIG$1 while waiting for nvidia-smi -L: the job ends" >&2 || true
     exit $((128 + $2))
@@ -153,6 +154,8 @@ else
   trap 'stop_waiting INT 2' INT
   trap 'stop_waiting TERM 15' TERM
   trap 'stop_waiting HUP 1' HUP
+  "${smi[@]}" >"$listed" 2>/dev/null &
+  smi_pid=$!
   smi_status=0
   wait "$smi_pid" || smi_status=$?
   trap - INT TERM HUP
@@ -205,10 +208,11 @@ trap 'rm -f "$UNET3D_STOP_FILE" "$UNET3D_STOP_FILE".end-*' EXIT  # (.end-*: the 
 preflight_pid=''
 before_training() {  # $1: the signal's name, $2: its number
   echo "launch.sh: SIG$1 before training: the job ends" >&2 || true
-  if [[ -n $preflight_pid ]]; then
+  local pid=${preflight_pid:-${!:-}}  # ($!: started, its pid not yet kept; else nvidia-smi's, ended)
+  if [[ -n $pid && $pid != "${smi_pid:-}" ]]; then
     # shellcheck disable=SC2046  # one pid per word
-    kill -s TERM "$preflight_pid" $(children "$preflight_pid") 2>/dev/null || true
-    wait "$preflight_pid" 2>/dev/null || true
+    kill -s TERM "$pid" $(children "$pid") 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
   fi
   exit $((128 + $2))
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 from pathlib import Path
 
@@ -9,6 +10,12 @@ import pytest
 
 from data.synthetic import write_synthetic_dataset
 from tests.helpers import run, small_options, small_synthetic
+
+# A pytest started in a script's background (`python -m pytest &`) inherits SIGINT ignored, and so would every
+# launch.sh it starts: a shell cannot trap a signal ignored at its start, so the Ctrl-C tests would hang there.
+# Ctrl-C is tested as a terminal sends it, to a launch started with SIGINT at its default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
