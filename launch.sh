@@ -31,8 +31,10 @@ Environment:
                     node's pre-flight (a first run's preprocessing) comes before it
   OMP_NUM_THREADS   threads per process (default: CPUs / processes)
   NVIDIA_SMI_TIMEOUT  seconds to wait for `nvidia-smi -L` (default 60; a hung driver stops the launch)
-  PYTHON, TORCHRUN  the interpreter and the torchrun command (default: python3; with PYTHON given,
-                    $PYTHON -m torch.distributed.run, else torchrun, else python3 -m torch.distributed.run)
+  PYTHON            the interpreter (default python3): one process of it checks the job (the pre-flight)
+                    and then, once it passes, runs torchrun's agent, whose ranks run under it too
+  TORCHRUN          a torchrun command to start the ranks instead (words split on blanks, e.g.
+                    "python3.11 -m torch.distributed.run"); the pre-flight then runs alone under PYTHON
 EOF
 }
 
@@ -58,7 +60,6 @@ shift
 UNET3D_LAUNCH_TIME=$(date +%s.%N)  # --time-limit counts from here
 export UNET3D_LAUNCH_TIME
 
-python_given=${PYTHON:+1}
 PYTHON=${PYTHON:-python3}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 NNODES=${NNODES:-1}
@@ -78,15 +79,8 @@ fi
 port=$(number "${MASTER_PORT:-29500}") && ((port >= 1 && port <= 65535)) ||
   die "MASTER_PORT must be a port number, 1 to 65535, got '$MASTER_PORT'"
 
-if [[ -n ${TORCHRUN:-} ]]; then
-  read -r -a torchrun <<<"$TORCHRUN"
-elif [[ -n $python_given ]]; then
-  torchrun=("$PYTHON" -m torch.distributed.run)  # the ranks run in the pre-flight's environment
-elif command -v torchrun >/dev/null 2>&1; then
-  torchrun=(torchrun)
-else
-  torchrun=("$PYTHON" -m torch.distributed.run)
-fi
+torchrun=()  # none given: the pre-flight's process goes on as torchrun's agent, its ranks under $PYTHON
+[[ -z ${TORCHRUN:-} ]] || read -r -a torchrun <<<"$TORCHRUN"
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 for arg in "$@"; do
   if [[ $arg == -h || $arg == --help ]]; then  # train_ddp.py's options, once (not from every rank)
@@ -200,31 +194,8 @@ children() {  # the processes whose parent is $1: the pre-flight's workers, torc
 UNET3D_STOP_FILE=$(mktemp "${TMPDIR:-/tmp}/unet3d-stop.XXXXXX" 2>/dev/null || mktemp /tmp/unet3d-stop.XXXXXX) ||
   die "cannot create a temporary file in ${TMPDIR:-/tmp} or /tmp"
 export UNET3D_STOP_FILE
-trap 'rm -f "$UNET3D_STOP_FILE" "$UNET3D_STOP_FILE".end-*' EXIT  # (.end-*: the ranks' "end the job" marks)
-
-# Pre-flight: one process, no GPU touched (PyTorch asks NVML, not CUDA, whether GPUs exist). In the
-# background, so that a signal meanwhile (bash runs traps only between foreground commands) ends it and its
-# workers with the job at once, instead of leaving it to go on preprocessing without us.
-preflight_pid=''
-before_training() {  # $1: the signal's name, $2: its number
-  echo "launch.sh: SIG$1 before training: the job ends" >&2 || true
-  local pid=${preflight_pid:-${!:-}}  # ($!: started, its pid not yet kept; else nvidia-smi's, ended)
-  if [[ -n $pid && $pid != "${smi_pid:-}" ]]; then
-    # shellcheck disable=SC2046  # one pid per word
-    kill -s TERM "$pid" $(children "$pid") 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-  fi
-  exit $((128 + $2))
-}
-trap 'before_training INT 2' INT
-trap 'before_training TERM 15' TERM
-trap 'before_training HUP 1' HUP
-WORLD_SIZE=$((nproc_per_node * NNODES)) LOCAL_WORLD_SIZE=$nproc_per_node PYTORCH_NVML_BASED_CUDA_CHECK=1 \
-  "$PYTHON" "$here/train_ddp.py" "$@" --prepare-only &
-preflight_pid=$!
-status=0
-wait "$preflight_pid" || status=$?
-((status == 0)) || exit "$status"
+# (.end-*: the ranks' "end the job" marks; .agent: the pre-flight passed, torchrun's agent runs in its process)
+trap 'rm -f "$UNET3D_STOP_FILE" "$UNET3D_STOP_FILE".end-* "$UNET3D_STOP_FILE".agent' EXIT
 
 # A fresh store for every torchrun restart: with the agent's shared store, a restarted gloo group can read
 # the killed round's peer addresses and fail to connect ("Connection refused") or hang.
@@ -240,6 +211,22 @@ else
   # and the job waited for a store that nobody started.
 fi
 
+# Pre-flight: the dataset, the plan, the cache and the checkpoint are checked in one process, no GPU touched
+# (PyTorch asks NVML, not CUDA, whether GPUs exist), and that process goes on as torchrun's agent once they
+# pass (`train_ddp.py --torchrun`; with TORCHRUN given, it ends and that command starts). In the background,
+# so that a signal meanwhile (bash runs traps only between foreground commands) ends it and its workers with
+# the job at once, instead of leaving it to go on preprocessing without us.
+preflight_pid=''
+before_training() {  # $1: the signal's name, $2: its number
+  echo "launch.sh: SIG$1 before training: the job ends" >&2 || true
+  local pid=${preflight_pid:-${!:-}}  # ($!: started, its pid not yet kept; else nvidia-smi's, ended)
+  if [[ -n $pid && $pid != "${smi_pid:-}" ]]; then
+    # shellcheck disable=SC2046  # one pid per word
+    kill -s TERM "$pid" $(children "$pid") 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  fi
+  exit $((128 + $2))
+}
 # Stopping. The first SIGTERM, SIGINT or SIGHUP to reach this script (`kill PID`, a scheduler signalling the
 # batch shell, Ctrl-C) goes to torchrun as SIGTERM, after which it never restarts the ranks: it passes the
 # signal on, the ranks finish their step, save and exit 0, and torchrun exits 1 with a SignalException. The
@@ -269,10 +256,35 @@ forward() {  # $1: the signal received
     echo "launch.sh: SIG$1: stopping (the ranks finish their step and save; a second signal ends them)" >&2 || true
   fi
 }
-trap 'forward INT' INT
-trap 'forward TERM' TERM HUP
-"${torchrun[@]}" "${rendezvous[@]}" --nproc-per-node "$nproc_per_node" --max-restarts "$MAX_RESTARTS" \
-  "$here/train_ddp.py" "$@" &
+agent=("${rendezvous[@]}" --nproc-per-node "$nproc_per_node" --max-restarts "$MAX_RESTARTS" "$here/train_ddp.py" "$@")
+if ((${#torchrun[@]})); then  # TORCHRUN given: the pre-flight in a process of its own, then that command
+  trap 'before_training INT 2' INT
+  trap 'before_training TERM 15' TERM
+  trap 'before_training HUP 1' HUP
+  WORLD_SIZE=$((nproc_per_node * NNODES)) LOCAL_WORLD_SIZE=$nproc_per_node PYTORCH_NVML_BASED_CUDA_CHECK=1 \
+    "$PYTHON" "$here/train_ddp.py" "$@" --prepare-only &
+  preflight_pid=$!
+  status=0
+  wait "$preflight_pid" || status=$?
+  ((status == 0)) || exit "$status"
+  trap 'forward INT' INT
+  trap 'forward TERM' TERM HUP
+  "${torchrun[@]}" "${agent[@]}" &
+else  # one process: the pre-flight, then torchrun's agent (unet3d/training/agent.py), one torch import fewer
+  signalled() {  # $1: the signal's name, $2: its number. Until the pre-flight has passed it ends the job
+    if [[ -e $UNET3D_STOP_FILE.agent ]]; then
+      [[ $1 == INT ]] && forward INT || forward TERM
+    else
+      before_training "$1" "$2"
+    fi
+  }
+  trap 'signalled INT 2' INT
+  trap 'signalled TERM 15' TERM
+  trap 'signalled HUP 1' HUP
+  UNET3D_NVML_CHECK_WAS=${PYTORCH_NVML_BASED_CUDA_CHECK+set:$PYTORCH_NVML_BASED_CUDA_CHECK} PYTORCH_NVML_BASED_CUDA_CHECK=1 \
+    "$PYTHON" "$here/train_ddp.py" --torchrun "${agent[@]}" &
+  preflight_pid=$!
+fi
 torchrun_pid=$!
 trap '' PIPE  # (after starting torchrun, which must not inherit it): a reader of our output gone is no end
 [[ -z $pending ]] || forward "$pending"

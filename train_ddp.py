@@ -192,4 +192,8 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--torchrun"]:  # launch.sh: the pre-flight, then torchrun's agent, in this process
+        from unet3d.training.agent import run_agent
+
+        exit_with(run_agent(sys.argv[2:], main))
     exit_with(main())

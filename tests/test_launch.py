@@ -285,15 +285,23 @@ def test_help_among_the_options_prints_train_ddp_help_once_and_starts_nothing(en
     assert real.stdout.count("usage: train_ddp.py") == 1 and "--time-limit" in real.stdout
 
 
-def test_a_python_given_without_torchrun_also_runs_the_ranks(env, tmp_path):
-    """PYTHON names the environment: the ranks must not run under another one's torchrun found on PATH."""
+def test_without_torchrun_given_one_python_runs_the_preflight_and_then_torchruns_agent(env, tmp_path):
+    """PYTHON names the environment: the ranks must not run under another one's torchrun found on PATH. One
+    process of it checks the job and goes on as torchrun's agent (`train_ddp.py --torchrun`), with the GPU
+    mask and NVML's check of the pre-flight, and the NVML setting it came with to give back to the ranks."""
     other = _script(tmp_path / "bin" / "torchrun", f"#!/bin/sh\ntouch {tmp_path / 'other_torchrun'}\n")
-    result = run(["bash", "launch.sh", "cpu:2", "--epochs", "1"], env={**env, "TORCHRUN": ""}, timeout=30)
-    assert result.returncode == 0, result.stderr
-    assert other.exists() and not (tmp_path / "other_torchrun").exists()
-    ranks = started(tmp_path, "python")  # the spy records its last start: the ranks', after the pre-flight's
-    assert ranks["argv"][:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    assert ranks["argv"][-3:] == [str(REPO / "train_ddp.py"), "--epochs", "1"]
+    for given, was in ((None, ""), ("0", "set:0")):
+        nvml = {} if given is None else {"PYTORCH_NVML_BASED_CUDA_CHECK": given}
+        result = run(["bash", "launch.sh", "2,0", "--epochs", "1"], env={**env, "TORCHRUN": "", **nvml}, timeout=30)
+        assert result.returncode == 0, result.stderr
+        assert other.exists() and not (tmp_path / "other_torchrun").exists()
+        agent = started(tmp_path, "python")
+        script = str(REPO / "train_ddp.py")
+        assert agent["argv"][:6] == [script, "--torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts"]
+        assert agent["argv"][-3:] == [script, "--epochs", "1"] and "--prepare-only" not in agent["argv"]
+        assert agent["env"]["CUDA_VISIBLE_DEVICES"] == "2,0" and agent["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        assert agent["env"]["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1" and agent["env"]["UNET3D_NVML_CHECK_WAS"] == was
+        assert "WORLD_SIZE" not in agent["env"], "the agent sets the pre-flight's world itself"
 
 
 @pytest.mark.parametrize("stuck", ["sleep 60", "trap '' TERM; exec sleep 60"])  # the second ignores SIGTERM
@@ -397,13 +405,16 @@ def _gone(pid: int) -> bool:
     return not Path(f"/proc/{pid}").exists()
 
 
-def test_a_signal_during_the_preflight_ends_it_with_the_job(env, tmp_path):
+@pytest.mark.parametrize("torchrun_given", [True, False])  # its own process, or the one that goes on as the agent
+def test_a_signal_during_the_preflight_ends_it_with_the_job(env, tmp_path, torchrun_given):
     """The traps came after the pre-flight, so SIGTERM ended launch.sh and left the pre-flight (a first run's
-    preprocessing) running on without it."""
+    preprocessing) running on without it. A process that has not yet passed the pre-flight is not torchrun
+    yet: the job ends, nothing stops gracefully."""
     pid_file = tmp_path / "preflight.pid"
     slow = _script(tmp_path / "slow-python", f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
     argv = ["cpu:2", "--epochs", "1"]
-    code, err, preflight, _ = _signalled_while_waiting(argv, {**env, "PYTHON": str(slow)}, pid_file, signal.SIGTERM)
+    given = {"PYTHON": str(slow), **({} if torchrun_given else {"TORCHRUN": ""})}
+    code, err, preflight, _ = _signalled_while_waiting(argv, {**env, **given}, pid_file, signal.SIGTERM)
     assert code == 143 and "launch.sh: SIGTERM before training: the job ends" in err
     assert _gone(preflight), "the pre-flight ended with the job"
     assert started(tmp_path) is None, "no rank started"
@@ -418,3 +429,45 @@ def test_ctrl_c_while_nvidia_smi_hangs_ends_the_launch_at_once(env, tmp_path):
     assert code == 130 and took < 5
     assert "launch.sh: SIGINT while waiting for nvidia-smi -L: the job ends" in err
     assert _gone(smi) and started(tmp_path, "python") is None
+
+
+def test_the_agent_process_starts_torchrun_only_once_the_preflight_has_passed(tmp_path, monkeypatch):
+    """`train_ddp.py --torchrun ARGS`: the pre-flight with the world ARGS name (2 nodes of 3), then torchrun's
+    own `main` on ARGS, with the environment as launch.sh gave it back and the mark that tells launch.sh a
+    signal is now torchrun's; a refused pre-flight's code, and no torchrun, when it fails."""
+    import torch.distributed.run
+
+    from unet3d.training.agent import run_agent
+
+    stop = tmp_path / "stop"
+    monkeypatch.setenv("UNET3D_STOP_FILE", str(stop))
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    calls = []
+    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: calls.append(("torchrun", argv, dict(os.environ))))
+    argv = ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "3", "train_ddp.py", "--epochs", "1"]
+
+    def preflight(code):
+        def main(args):
+            calls.append(("preflight", args, dict(os.environ)))
+            return code
+
+        return main
+
+    monkeypatch.setenv("UNET3D_NVML_CHECK_WAS", "")
+    assert run_agent(argv, preflight(2)) == 2
+    assert [c[0] for c in calls] == ["preflight"] and not Path(f"{stop}.agent").exists()
+    _, args, seen = calls[0]
+    assert args == ["--epochs", "1", "--prepare-only"]
+    assert (seen["WORLD_SIZE"], seen["LOCAL_WORLD_SIZE"], seen["PYTORCH_NVML_BASED_CUDA_CHECK"]) == ("6", "3", "1")
+
+    for was, then in (("", None), ("set:0", "0")):  # unset before launch.sh, or set to 0
+        calls.clear()
+        monkeypatch.setenv("UNET3D_NVML_CHECK_WAS", was)
+        monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        assert run_agent(argv, preflight(0)) == 0
+        assert [c[0] for c in calls] == ["preflight", "torchrun"] and Path(f"{stop}.agent").exists()
+        _, args, seen = calls[1]
+        assert args == argv and seen.get("PYTORCH_NVML_BASED_CUDA_CHECK") == then
+        assert "WORLD_SIZE" not in seen and "LOCAL_WORLD_SIZE" not in seen and "UNET3D_NVML_CHECK_WAS" not in seen
+        Path(f"{stop}.agent").unlink()

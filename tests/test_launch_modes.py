@@ -4,7 +4,8 @@ validation Dice `evaluate.py --split val` reproduces. Six ranks hold more than t
 the default split, so some ranks validate nothing and still take part in every collective. Two processes
 (`bash launch.sh cpu`, the README's quick start) are walked by the GPU recipe's test below, with the same
 checks (its first launch spells it `cpu`, as the quick start does), and by most tests of other modules.
-Two launches also find their interpreter as the README's PYTHON paragraph says (`interpreter_env`)."""
+Two launches also find their interpreter as the README's PYTHON paragraph says (`interpreter_env`): one
+process for the pre-flight and torchrun's agent, or the pre-flight alone and then the TORCHRUN given."""
 
 from __future__ import annotations
 
@@ -65,11 +66,11 @@ def test_single_process_without_a_launcher(shared, tmp_path):
     assert summary["num_cases"] == 5 and abs(summary["mean_dice"] - best["best_metric"]) < 1e-4
 
     # Between epochs a job may continue on more ranks: the one process's generator states fit none of them.
-    # (launched with no torchrun on PATH: `python3 -m torch.distributed.run`)
-    env = interpreter_env(tmp_path, "no torchrun on PATH")
+    # (launched by the TORCHRUN given: the pre-flight alone, then `python3 -m torch.distributed.run`)
+    env = interpreter_env(tmp_path, "TORCHRUN set")
     more = run(["bash", str(REPO / "launch.sh"), "cpu:2", *options(shared, out), "--epochs", "2"], env=env, timeout=300)
     assert more.returncode == 0, f"stdout:\n{more.stdout}\nstderr:\n{more.stderr}"
-    check_interpreter(tmp_path)
+    check_interpreter(tmp_path, "TORCHRUN set")
     assert "1 epoch(s) and 0 step(s) done" in more.stdout and "epoch 2/2: loss" in more.stdout
     assert "was written by 1 rank(s), this run has 2: the random generators start from the seed" in more.stdout
     last = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
@@ -101,7 +102,7 @@ def test_launch_cpu_n_trains_and_evaluate_reproduces_best(shared, tmp_path, worl
         result = run(["bash", "launch.sh", f"cpu:{world}", *options(shared, out)], env=env, timeout=300)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     if world > 1:
-        check_interpreter(tmp_path)
+        check_interpreter(tmp_path, "PYTHON set")
     best = check_trained(out, result.stdout, world)
     # with 6 ranks, rank 5 holds no validation case; it joined every collective, or the run would hang
     assert sorted(p.name for p in (out / "logs").iterdir()) == [f"rank{r}.log" for r in range(world)]
@@ -220,26 +221,33 @@ def _interpreter(path: Path, log: Path) -> Path:
 
 def interpreter_env(tmp_path: Path, form: str) -> dict[str, str]:
     """The environment of a launch that finds its interpreter by `form` (README: `PYTHON=... bash launch.sh`):
-    "PYTHON set": the pre-flight and the ranks under that interpreter, via `$PYTHON -m torch.distributed.run`,
-    though a `torchrun` of another interpreter comes first on PATH; "no torchrun on PATH" (and no PYTHON):
-    `python3 -m torch.distributed.run`. The interpreter notes its calls for `check_interpreter`. Each form
-    rides on a real training launch of a test above, which checks what it trained."""
+    "PYTHON set": one process of that interpreter runs the pre-flight and then torchrun's agent
+    (`train_ddp.py --torchrun ...`), whose ranks run under it too; "TORCHRUN set" (`python3 -m
+    torch.distributed.run`, python3 found on PATH): the pre-flight alone, then that command. In both a
+    `torchrun` of another interpreter comes first on PATH, and must not run. The interpreter notes its calls
+    for `check_interpreter`. Each form rides on a real training launch of a test above, which checks what it
+    trained."""
     log, bin_dir = tmp_path / "calls.log", tmp_path / "bin"
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}  # this venv's bin (its torchrun, python3) left out
     if form == "PYTHON set":
         env["PYTHON"] = str(_interpreter(tmp_path / "py" / "python", log))
-        bin_dir.mkdir()
-        decoy = bin_dir / "torchrun"
-        decoy.write_text(f"#!/bin/sh\ntouch {tmp_path / 'decoy-ran'}\nexit 1\n")  # another env's torchrun
-        decoy.chmod(0o755)
     else:
         _interpreter(bin_dir / "python3", log)
+        env["TORCHRUN"] = "python3 -m torch.distributed.run"
+    bin_dir.mkdir(exist_ok=True)
+    decoy = bin_dir / "torchrun"
+    decoy.write_text(f"#!/bin/sh\ntouch {tmp_path / 'decoy-ran'}\nexit 1\n")  # another env's torchrun
+    decoy.chmod(0o755)
     return env
 
 
-def check_interpreter(tmp_path: Path) -> None:
+def check_interpreter(tmp_path: Path, form: str) -> None:
     calls = (tmp_path / "calls.log").read_text().splitlines()
-    assert any(c.endswith("--prepare-only") for c in calls), calls  # the pre-flight
-    assert any(c.startswith("-m torch.distributed.run ") for c in calls), calls  # the agent: its ranks run
-    # under the agent's own interpreter (sys.executable), the one the wrapper started
+    if form == "PYTHON set":  # the pre-flight and the agent, one process; its ranks run under the agent's
+        # own interpreter (sys.executable), the one the wrapper started
+        agent = [c for c in calls if " --torchrun --standalone --nproc-per-node " in c]
+        assert len(agent) == 1 and not any(c.endswith("--prepare-only") for c in calls), calls
+    else:
+        assert any(c.endswith("--prepare-only") for c in calls), calls  # the pre-flight
+        assert any(c.startswith("-m torch.distributed.run --standalone ") for c in calls), calls  # TORCHRUN
     assert not (tmp_path / "decoy-ran").exists()

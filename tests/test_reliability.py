@@ -153,7 +153,8 @@ def test_ctrl_c_stops_the_ranks_gracefully_and_exits_0(shared, tmp_path):
     scratch.mkdir()
     proc = start(*options(shared, out, 2), env={"TMPDIR": str(scratch)})
     wait_for(out / "logs" / "rank0.log", r"epoch 1/2:")
-    assert len(list(scratch.glob("unet3d-stop.*"))) == 1, "launch.sh's file for the ranks' stop lines"
+    made = sorted(p.name for p in scratch.glob("unet3d-stop.*"))  # the ranks' stop lines, and the agent's mark
+    assert len(made) == 2 and made[1] == f"{made[0]}.agent", made
     os.killpg(proc.pid, signal.SIGINT)
     rc, stdout, stderr = finish(proc, timeout=60)
     assert rc == 0, stderr[-3000:]

@@ -14,6 +14,7 @@ train_ddp.py uses it.
     validation     distributed validation, exact whatever the number of ranks
     report         rank 0's epoch line, TensorBoard, the closing words
     preflight      launch.sh's check of the data and the checkpoint before any rank starts
+    agent          launch.sh's one process per node: the pre-flight, then torchrun's agent in it
     faults         fault injection for the tests (NaN losses, out of memory), off in normal runs
     rng, logs      generator states as plain lists; per-rank log files
 """
