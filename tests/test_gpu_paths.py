@@ -356,3 +356,36 @@ def test_probabilities_go_back_to_a_fine_scans_grid_on_the_host_when_it_would_no
     assert accumulator_device(GPU, 4 * 3 * planned * 4) == GPU, "the planned volume's logits fit"
     assert RESAMPLE_BYTES_PER_VOXEL * native > 2 * 2**30 and resampling_device(GPU, native) == CPU
     assert resampling_device(GPU, planned) == GPU and resampling_device(CPU, native) == CPU
+
+
+def test_the_agents_preflight_on_gpus_makes_no_cuda_context(monkeypatch, tmp_path, tiny_dataset, capsys):
+    """launch.sh's one process per node checks the job and then stays on as torchrun's agent for the whole job:
+    a CUDA context made by the pre-flight would hold memory on the first GPU until the job ends. With GPUs
+    seen (NVML's count, stubbed) the real pre-flight plans for cuda, and every call that would start CUDA
+    fails the test."""
+    import torch.distributed.run
+
+    import train_ddp
+    from unet3d.training.agent import run_agent
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    def touched(*args, **kwargs):
+        raise AssertionError("the pre-flight started CUDA")
+
+    for name in ("_lazy_init", "init", "get_device_capability", "get_device_name", "get_device_properties",
+                 "mem_get_info", "set_device", "synchronize", "is_bf16_supported"):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, touched)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", touched, raising=False)
+    monkeypatch.setenv("UNET3D_EXPECT_CUDA", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
+    monkeypatch.setenv("UNET3D_STOP_FILE", str(tmp_path / "stop"))
+    started = []
+    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: started.append(argv))
+    args = ["--data-dir", str(tiny_dataset), "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path / "o")]
+    argv = ["--standalone", "--nproc-per-node", "2", "train_ddp.py", *args, "--val-fraction", "0.34"]
+    assert run_agent(argv, train_ddp.main) == 0
+    assert started == [argv] and (tmp_path / "stop.agent").exists()
+    assert any((tmp_path / "cache").rglob("*.npy")), "the pre-flight ran, and built the cache"
+    assert "levels of [32, 64, 128] channels" in capsys.readouterr().out, "planned with the GPUs' widths"
