@@ -272,10 +272,12 @@ if ((${#torchrun[@]})); then  # TORCHRUN given: the pre-flight in a process of i
   "${torchrun[@]}" "${agent[@]}" &
 else  # one process: the pre-flight, then torchrun's agent (unet3d/training/agent.py), one torch import fewer
   signalled() {  # $1: the signal's name, $2: its number. Until the pre-flight has passed it ends the job
-    if [[ -e $UNET3D_STOP_FILE.agent ]]; then
-      [[ $1 == INT ]] && forward INT || forward TERM
-    else
+    if [[ ! -e $UNET3D_STOP_FILE.agent ]]; then
       before_training "$1" "$2"
+    elif [[ $1 == INT ]]; then
+      forward INT
+    else
+      forward TERM  # (HUP too, as with TORCHRUN given)
     fi
   }
   trap 'signalled INT 2' INT

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from unet3d.training.control import STOP_FILE_ENV
+
 AGENT_MARK = ".agent"  # beside launch.sh's UNET3D_STOP_FILE: the pre-flight has passed, torchrun's agent runs
-
-
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # set by launch.sh for the pre-flight, from before torch loads
 NVML_CHECK_WAS = "UNET3D_NVML_CHECK_WAS"  # its value before: "set:VALUE", or "" where it was not set
 
@@ -42,11 +42,8 @@ def run_agent(argv: Sequence[str], train_main: Callable[[Sequence[str]], int]) -
     if status:
         return status
     if was is not None:  # the ranks get the environment launch.sh was given
-        if was.startswith("set:"):
-            os.environ[NVML_CHECK] = was[len("set:") :]
-        else:
-            os.environ.pop(NVML_CHECK, None)
-    stop_file = os.environ.get("UNET3D_STOP_FILE")
+        _put(NVML_CHECK, was[len("set:") :] if was.startswith("set:") else None)
+    stop_file = os.environ.get(STOP_FILE_ENV)
     if stop_file:
         Path(stop_file + AGENT_MARK).touch()
     torchrun_main(list(argv))
@@ -64,7 +61,12 @@ def _environment(values: dict[str, str]):
         yield
     finally:
         for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+            _put(name, value)
+
+
+def _put(name: str, value: str | None) -> None:
+    """`name` set to `value` in the environment, or removed from it (None)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
