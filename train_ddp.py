@@ -24,7 +24,7 @@ from unet3d.checkpoint import load_checkpoint
 from unet3d.files import writable_folder
 from unet3d.loss import build_loss
 from unet3d.shutdown import exit_with
-from unet3d.training import dist
+from unet3d.training import dist, hang
 from unet3d.training.checkpointing import (
     check_resumable,
     follow_checkpoint,
@@ -87,6 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch.cuda.OutOfMemoryError: in every torch this project allows (the top-level alias came later)
     except torch.cuda.OutOfMemoryError as e:  # this rank alone; a restart would run out of memory again
         return fail_alone(e, info)
+    except RuntimeError as e:  # a collective that gave up waiting is said to have (torchrun then restarts the job)
+        message = hang.describe_failure(e, info.rank, cfg.dist_timeout)
+        if message is not None:
+            get_logger().error(message)
+        raise
     finally:
         dist.cleanup()
 
@@ -146,7 +151,9 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     stats, pending = None, state.validation_pending and validates
     tell_the_launcher(starting=True)  # this torchrun attempt is the one whose stop lines count
     try:
-        with control.running():  # SIGTERM/SIGINT: every rank finishes the step, saves and stops
+        # SIGTERM/SIGINT: every rank finishes the step, saves and stops; a rank stalled for about --dist-timeout
+        # logs where its threads are
+        with control.running(), hang.watch(info.rank, info.world_size, rt.cfg.dist_timeout):
             if pending:  # a stop signal cut the last epoch's validation short: it comes first now
                 val = run_validation(rt, state.model, val_cases, data.spec.num_classes, control)
                 if val is not None:

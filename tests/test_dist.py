@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -116,7 +117,13 @@ def _collectives(info: dist.DistInfo, out: Path) -> None:
     failures = [_outcome(lambda f=f: dist.run_on_main(f)) for f in (lambda: 1 / 0, _missing, _two_arguments, local)]
     failures.append(_outcome(lambda: dist.run_on_local_main(_missing, info)))
     dist.barrier()
-    (out / f"{info.rank}.json").write_text(json.dumps([total.item(), gathered, value, failures, str(info.device)]))
+    time.sleep(0.6 if info.rank == 2 else 0.0)  # rank 2 late: the others wait for it in the all_reduce below
+    idle_before = dist.idle_seconds()
+    dist.all_reduce_max(torch.zeros(1))
+    idle = [idle_before, dist.idle_seconds()]
+    (out / f"{info.rank}.json").write_text(
+        json.dumps([total.item(), gathered, value, failures, str(info.device), idle])
+    )
 
 
 def test_collectives_on_three_gloo_ranks(tmp_path):
@@ -131,7 +138,7 @@ def test_collectives_on_three_gloo_ranks(tmp_path):
         "_TwoArgumentError: /data: bad spacing; bad label",
         "Local: made here",
     ]
-    for rank, (total, gathered, value, failures, device) in enumerate(results):
+    for rank, (total, gathered, value, failures, device, idle) in enumerate(results):
         assert total == 6 and gathered == [0, 10, 20] and value == "made on rank 0" and device == "cpu"
         if rank == 0:
             assert failures == [*own, own[1]]
@@ -143,11 +150,13 @@ def test_collectives_on_three_gloo_ranks(tmp_path):
             if rank == 0
             else failures[4] == f"FileNotFoundError: a node's local rank 0 failed: {own[1]}"
         )
+        # idle_seconds counts from the last collective to return here: the late rank's sleep, and then none
+        assert idle[1] < 0.2, f"rank {rank}: the all_reduce that returned resets idle_seconds, got {idle}"
+    assert results[2][5][0] >= 0.55, "rank 2 slept 0.6 s since the barrier returned"
+    assert max(r[5][0] for r in results[:2]) < 0.3
 
 
 def _arrivals(info: dist.DistInfo, out: Path) -> None:
-    import time
-
     if info.rank == 2:
         time.sleep(1.0)  # a late rank: the waiter must see it arrive
     arrived_at = time.time()

@@ -248,6 +248,41 @@ def test_out_of_memory_on_one_rank_ends_the_job_once_with_advice(shared, tmp_pat
         assert "torchrun restart 1" not in (out / "logs" / f"rank{rank}.log").read_text(), "no restart"
 
 
+def test_a_rank_held_up_past_the_dist_timeout_is_named_with_where_it_was(shared, tmp_path):
+    """Rank 1 stops for 8 s inside its first step (as a deadlock or a stuck DataLoader would); rank 0 waits in
+    the step's collective. Past 0.9 x --dist-timeout each rank says so and logs its threads' stacks (rank 1's
+    at the stop, rank 0's in the collective); rank 0's collective fails at the timeout with an error line
+    that names it, and the job ends with no checkpoint half-written."""
+    out = tmp_path / "run"
+    begun = time.monotonic()
+    result = launch(
+        *options(shared, out, 1, "--dist-timeout", "4"), env={"UNET3D_SLOW_STEP": "1:8", "MAX_RESTARTS": "0"}
+    )
+    assert result.returncode != 0
+    assert time.monotonic() - begun < 120, "the job ends at the timeout, not when the held-up rank would"
+    for rank in (0, 1):
+        prefix = "[rank 1] " if rank else ""
+        assert re.search(
+            rf"(?m)^{re.escape(prefix)}rank {rank}: no collective has returned on this rank for "
+            r"3\.\d s, 90% of --dist-timeout 4 s",
+            result.stdout,
+        ), result.stdout
+    error = re.search(
+        r"(?m)^error: rank 0: (.*), (\d+\.\d) s after a collective last returned on this rank "
+        r"\(--dist-timeout 4 s\): a rank hung",
+        result.stdout,
+    )
+    assert error is not None, result.stdout
+    assert "Timed out" in error[1] and 4.0 <= float(error[2]) < 8.0
+    logs = {rank: (out / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)}
+    held_up = logs[1].split("rank 1 after", 1)[1]
+    assert "faults.py" in held_up and "time.sleep(self.slow)" in held_up, "where rank 1 was: the injected stop"
+    waiting = logs[0].split("rank 0 after", 1)[1].split("thread MainThread:\n", 1)[1].split("\nthread ", 1)[0]
+    assert "in all_reduce" in waiting or "in backward" in waiting, waiting
+    saved = [str(path.relative_to(out)) for path in out.rglob("*") if "checkpoints" in path.parts and path.is_file()]
+    assert saved == [], "no epoch ended: nothing saved, and nothing half-written"
+
+
 # --- bad datasets ---------------------------------------------------------------------------------------
 
 

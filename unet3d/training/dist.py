@@ -22,6 +22,25 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 
+# When a collective call of this module last returned on this rank (time.monotonic()), for `idle_seconds`:
+# a rank that stops making them for about --dist-timeout is hung, or waits for one that is.
+_last_collective = time.monotonic()
+
+
+def _returned() -> None:
+    global _last_collective
+    _last_collective = time.monotonic()
+
+
+def idle_seconds() -> float:
+    """Seconds since a collective call of this module last returned on this rank (or the group was set up).
+
+    On nccl a call returns once its work is queued, and the next read of its result waits for it: a rank
+    stuck there stays idle all the same. DDP's own gradient all_reduce does not count; the trainer's
+    per-step agreement follows it.
+    """
+    return time.monotonic() - _last_collective
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -105,6 +124,7 @@ def setup(timeout: timedelta | None = None, setup_timeout: timedelta | None = No
         if setup_timeout is not None and timeout is not None and setup_timeout != timeout:
             barrier()  # every rank connected within setup_timeout
             dist.distributed_c10d._set_pg_timeout(timeout)
+    _returned()
     return DistInfo(rank, local_rank, world_size, local_world_size, device)
 
 
@@ -145,12 +165,14 @@ def barrier() -> None:
         dist.barrier(device_ids=[torch.cuda.current_device()])
     else:
         dist.barrier()
+    _returned()
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum `tensor` over ranks in place (a no-op alone) and return it."""
     if is_dist():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        _returned()
     return tensor
 
 
@@ -158,6 +180,7 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     """The element-wise maximum of `tensor` over ranks, in place (a no-op alone); returns it."""
     if is_dist():
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        _returned()
     return tensor
 
 
@@ -167,6 +190,7 @@ def broadcast_object(obj: Any) -> Any:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
+    _returned()
     return box[0]
 
 
@@ -176,6 +200,7 @@ def all_gather_object(obj: Any) -> list[Any]:
         return [obj]
     out: list[Any] = [None] * get_world_size()
     dist.all_gather_object(out, obj)
+    _returned()
     return out
 
 
