@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from data.dataset import close_loader
 from unet3d.checkpoint import load_checkpoint
-from unet3d.files import writable_folder
+from unet3d.files import out_of_room, writable_folder
 from unet3d.loss import build_loss
 from unet3d.shutdown import exit_with
 from unet3d.training import dist, hang
@@ -42,6 +42,7 @@ from unet3d.training.control import (
     fail_alone,
     fail_together,
     launch_time,
+    no_room,
     schedule_start,
     tell_the_launcher,
 )
@@ -87,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch.cuda.OutOfMemoryError: in every torch this project allows (the top-level alias came later)
     except torch.cuda.OutOfMemoryError as e:  # this rank alone; a restart would run out of memory again
         return fail_alone(e, info)
+    except OSError as e:  # a full disk or quota, a file-size limit: a restart would only fail the same way
+        if out_of_room(e) is None:
+            raise
+        return fail_together(no_room(e), info)
     except RuntimeError as e:  # a collective that gave up waiting is said to have (torchrun then restarts the job)
         message = hang.describe_failure(e, info.rank, cfg.dist_timeout)
         if message is not None:

@@ -33,7 +33,7 @@ from data.nifti import load_image, load_label, records_orientation
 from data.patches import PreparedCase, foreground_coords
 from data.plan import Fingerprint, Plan, PlanRequest, fingerprint_arrays
 from data.preprocess import preprocess
-from unet3d.files import atomic_write, atomic_write_text
+from unet3d.files import atomic_write, atomic_write_text, out_of_room
 
 CACHE_VERSION = 6  # 4: fingerprints measure the shape before the crop (the masked z-score's rule); 5: and the
 # labelled voxels the crop removes; 6: NAME_share.npy, the soft targets
@@ -112,6 +112,8 @@ def fingerprint_cases(
             found = dataclasses.replace(found, unoriented=not records_orientation(image_nii))
             atomic_write_text(path, json.dumps({"stamp": stamp, **found.to_dict()}))
         except (OSError, ValueError) as e:
+            if out_of_room(e) is not None:  # the cache's disk, not the case: said as itself
+                raise
             errors.append(f"{case.name}: {e}")
     return errors
 
@@ -154,7 +156,15 @@ def is_fresh(case: Case, plan: Plan, num_classes: int, folder: str | Path) -> bo
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
-    atomic_write(path, lambda f: np.save(f, array))
+    """`np.save`'s format, written through the file's own write: `ndarray.tofile`, which np.save uses, reports a
+    short write without its errno, and a full disk then read as a bad case."""
+    array = np.ascontiguousarray(array)
+
+    def write(f) -> None:
+        np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
+        f.write(array)
+
+    atomic_write(path, write)
 
 
 def write_case(case: Case, plan: Plan, num_classes: int, folder: str | Path) -> None:
@@ -187,6 +197,8 @@ def build_cache(
             if not is_fresh(case, plan, num_classes, folder):
                 write_case(case, plan, num_classes, folder)
         except (OSError, ValueError) as e:
+            if out_of_room(e) is not None:  # the cache's disk, not the case: said as itself
+                raise
             errors.append(f"{case.name}: {e}")
     return errors
 

@@ -4,6 +4,7 @@ import ast
 import errno
 import json
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from torch import nn
 from tests.helpers import spawn_ranks
 from unet3d import UNet3D
 from unet3d.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, strip_wrapper_prefixes
+from unet3d.files import out_of_room
 from unet3d.training import dist
 from unet3d.training.checkpointing import LAST, PREVIOUS, checkpoint_dir, find_resume
 
@@ -70,6 +72,28 @@ def test_failed_save_keeps_previous_file(tmp_path, monkeypatch):
         save_checkpoint({"epoch": 2}, path)
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
     assert load_checkpoint(path, "cpu")["epoch"] == 1
+
+
+def test_a_file_size_limit_mid_save_is_a_plain_error_naming_the_file(tmp_path):
+    """The kernel's own refusal (RLIMIT_FSIZE: EFBIG, as a full disk gives ENOSPC) halfway through torch.save,
+    whose zip writer then raises a RuntimeError over it: the error names the errno and the file, the temporary
+    file is gone and the checkpoint already there is intact."""
+    path = tmp_path / "last.pt"
+    save_checkpoint({"epoch": 1}, path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, hard))  # Python ignores SIGXFSZ: writes get EFBIG
+    try:
+        with pytest.raises(OSError) as caught:
+            save_checkpoint({"epoch": 2, "w": torch.zeros(1_000_000)}, path)  # 4 MB
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert caught.value.errno == errno.EFBIG and caught.value.filename == str(path)
+    assert out_of_room(caught.value) is caught.value
+    assert isinstance(caught.value.__cause__, RuntimeError), "torch's zip writer raised over the kernel's error"
+    assert out_of_room(caught.value.__cause__).errno == errno.EFBIG, "which is found under it"
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+    assert load_checkpoint(path, "cpu")["epoch"] == 1
+    assert out_of_room(RuntimeError("unexpected pos")) is None and out_of_room(OSError(errno.EACCES, "no")) is None
 
 
 def test_load_refuses_pickled_code(tmp_path):
@@ -160,14 +184,19 @@ def _failing_save(info, folder) -> None:
         outcome = "saved"
     except Exception as e:
         outcome = f"{type(e).__name__}: {e}"
-    (folder / f"rank{info.rank}.json").write_text(json.dumps([outcome, time.monotonic() - began]))
+        room = out_of_room(e)
+    (folder / f"rank{info.rank}.json").write_text(
+        json.dumps([outcome, time.monotonic() - began, room.errno if room is not None else None])
+    )
 
 
 def test_a_failed_save_leaves_the_last_checkpoint_and_no_rank_waiting(tmp_path):
     spawn_ranks(_failing_save, 2, tmp_path, timeout=60)
     outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert outcomes[0][0] == "OSError: [Errno 28] No space left on device"
+    assert outcomes[0][0] == f"OSError: [Errno 28] No space left on device: '{tmp_path / 'last.pt'}'"
     assert outcomes[1][0].startswith("OSError: rank 0 failed: OSError: [Errno 28]") and outcomes[1][1] < 10
+    # every rank decides on the value, not the message: the job ends without a restart on each
+    assert [o[2] for o in outcomes] == [errno.ENOSPC, errno.ENOSPC]
     assert load_checkpoint(tmp_path / "last.pt", "cpu")["epoch"] == 1
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".pt") == ["last.pt"]
 

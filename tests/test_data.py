@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -436,6 +438,27 @@ def test_cache_round_trip_and_staleness(tiny_dataset, tmp_path):
         assert not is_fresh(case, plan, 3, cache), "a changed source file must be rebuilt"
     finally:
         os.utime(case.image, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_cache_the_disk_refuses_is_said_as_such_not_as_bad_cases(tiny_dataset, tmp_path):
+    """The kernel's own refusal (RLIMIT_FSIZE: EFBIG, as a full disk gives ENOSPC) while a cache file is written:
+    an OSError that keeps its errno and names the file, never "problems with the dataset" for every case
+    (ndarray.tofile's short-write error, which carries no errno, read that way); no temporary file is left."""
+    spec = load_dataset_json(tiny_dataset)
+    cache = tmp_path / "cache"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))  # Python ignores SIGXFSZ: writes get EFBIG
+    try:
+        with pytest.raises(OSError) as caught:
+            build_cache(spec.training, as_stored(), 3, cache)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert caught.value.errno == errno.EFBIG and caught.value.filename.endswith("_image.npy")
+    assert Path(caught.value.filename).parent == cache
+    assert [p for p in cache.rglob("*") if p.is_file()] == []
+    assert build_cache(spec.training, as_stored(), 3, cache) == [], "with room, the same call builds it"
+    case = spec.training[0]
+    np.testing.assert_array_equal(open_case(case, cache).label, load_label(case.label)[0])
 
 
 def test_datasets_sharing_a_cache_keep_their_own_cases_and_a_copy_that_kept_size_and_mtime_is_seen(

@@ -248,6 +248,27 @@ def test_out_of_memory_on_one_rank_ends_the_job_once_with_advice(shared, tmp_pat
         assert "torchrun restart 1" not in (out / "logs" / f"rank{rank}.log").read_text(), "no restart"
 
 
+def test_a_full_disk_ends_the_job_once_with_what_to_do(shared, tmp_path):
+    """The kernel refuses the first checkpoint (a file-size limit, `ulimit -f`: EFBIG, as a full disk gives
+    ENOSPC): every rank learns it from rank 0 and the job ends at once with the file named, where torchrun
+    restarted it to fail again after another epoch each time; nothing half-written is left."""
+    out = tmp_path / "run"
+    began = time.monotonic()
+    command = ["bash", "-c", 'ulimit -f 1024 && exec bash launch.sh cpu:2 "$@"', "launch", *options(shared, out, 2)]
+    result = run(command, timeout=240)  # a 1 MiB limit: the small model's checkpoint takes about 2.9 MB
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(
+        rf"(?m)^error: \[Errno 27\] File too large: '{re.escape(str(out))}/checkpoints/(best|last)\.pt': a restart "
+        "would fail the same way, so the job ends here; .* Make room",
+        result.stdout,
+    ), result.stdout
+    assert "train 2/2" not in result.stdout + result.stderr, "the job ended at the first save"
+    for rank in (0, 1):
+        assert "torchrun restart 1" not in (out / "logs" / f"rank{rank}.log").read_text(), "no restart"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [], "no temporary file left"
+    assert time.monotonic() - began < 120
+
+
 def test_a_rank_held_up_past_the_dist_timeout_is_named_with_where_it_was(shared, tmp_path):
     """Rank 1 stops for 8 s inside its first step (as a deadlock or a stuck DataLoader would); rank 0 waits in
     the step's collective. Past 0.9 x --dist-timeout each rank says so and logs its threads' stacks (rank 1's

@@ -7,6 +7,7 @@ file, even when two hosts' processes have the same pid.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -22,6 +23,22 @@ def temp_path(path: str | Path) -> Path:
     """A hidden sibling of `path` that no other process, on this host or another, will pick."""
     path = Path(path)
     return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})  # a full disk, a full quota, a file-size limit
+
+
+def out_of_room(error: BaseException) -> OSError | None:
+    """The write refused for want of room (a full disk or quota, a file-size limit) that `error` is or arose
+    from (torch.save's zip writer, failing to finish the file, raises a RuntimeError over it); else None.
+    A restart would only repeat such a failure."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno in NO_ROOM:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 STALE_AFTER_S = 60.0  # a temporary file or folder untouched this long, of a dead process: left behind
@@ -117,8 +134,11 @@ def atomic_write(
         if previous is not None and path.exists():
             os.replace(path, previous)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        room = out_of_room(e)
+        if room is not None:  # said plainly, naming the file (a write's error names none)
+            raise OSError(room.errno, room.strerror or str(room), str(path)) from e
         raise
     if durable:
         folder = os.open(path.parent, os.O_RDONLY)

@@ -361,6 +361,15 @@ def fail_together(error: Exception, info: dist.DistInfo) -> int:
     return 1 if isinstance(error, TrainingError) else 2
 
 
+def no_room(error: OSError) -> TrainingError:
+    """The verdict on a write refused for want of room (`unet3d.files.out_of_room`), with what to do."""
+    return TrainingError(
+        f"{error}: a restart would fail the same way, so the job ends here; files are written under a temporary "
+        "name first, so the checkpoints and cache files already there are intact. Make room (disk space, quota, "
+        "ulimit -f), then run the same command again: it continues from the last checkpoint saved, if any"
+    )
+
+
 def fail_alone(error: torch.cuda.OutOfMemoryError, info: dist.DistInfo) -> int:
     """This rank ran out of GPU memory: the others wait in a collective until torchrun stops them. A restart
     would run out again, so this rank ends the job itself, with advice. Returns the exit code, 1."""

@@ -224,8 +224,8 @@ def run_on_local_main(fn: Callable[[], T], info: DistInfo) -> T:
         raise error
     failures = [value for ok, value in results if not ok]
     if failures:  # every rank stops, not just the failing node's
-        text = "; ".join(sorted({message for _, message in failures}))
-        raise _failure(failures[0][0], "a node's local rank 0 failed: " + text)
+        text = "; ".join(sorted({message for _, message, _ in failures}))
+        raise _failure(failures[0][0], "a node's local rank 0 failed: " + text, failures[0][2])
     return results[info.rank - info.local_rank][1]
 
 
@@ -248,23 +248,25 @@ def run_on_main(fn: Callable[[], T]) -> T:
     if error is not None:
         raise error
     if not ok:
-        raise _failure(value[0], f"rank 0 failed: {value[1]}")
+        raise _failure(value[0], f"rank 0 failed: {value[1]}", value[2])
     return value
 
 
-def _describe(error: Exception) -> tuple[type | None, str]:
-    """(the error's class, if it pickles: every rank runs the same code; "Class: message") for the other ranks."""
+def _describe(error: Exception) -> tuple[type | None, str, int | None]:
+    """(the error's class, if it pickles: every rank runs the same code; "Class: message"; an OSError's errno)
+    for the other ranks."""
     cls: type | None = type(error)
     try:
         pickle.loads(pickle.dumps(cls))
     except Exception:  # a class defined in a function: the others get a RuntimeError
         cls = None
-    return cls, f"{type(error).__name__}: {error}"
+    return cls, f"{type(error).__name__}: {error}", getattr(error, "errno", None)
 
 
-def _failure(cls: type | None, message: str) -> Exception:
+def _failure(cls: type | None, message: str, errno: int | None = None) -> Exception:
     """An error of class `cls` made from `message` alone, else of the first of the families the trainer tells
-    apart (FileNotFoundError, ValueError) that `cls` belongs to, else a RuntimeError."""
+    apart (FileNotFoundError, ValueError) that `cls` belongs to, else a RuntimeError. An OSError keeps `errno`,
+    so that every rank decides on the same value (a full disk ends the job without a restart)."""
     for candidate in (cls, FileNotFoundError, ValueError):
         if cls is None or not issubclass(cls, candidate):
             continue
@@ -273,6 +275,8 @@ def _failure(cls: type | None, message: str) -> Exception:
         except Exception:  # a constructor that takes other arguments
             continue
         if str(made) == message:  # not KeyError's quoted form
+            if isinstance(made, OSError):
+                made.errno = errno  # str() stays the message: it has no strerror
             return made
     return RuntimeError(message)
 
