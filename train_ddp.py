@@ -158,7 +158,7 @@ def train(cfg: TrainConfig, info: dist.DistInfo, started: float) -> int:
     try:
         # SIGTERM/SIGINT: every rank finishes the step, saves and stops; a rank stalled for about --dist-timeout
         # logs where its threads are
-        with control.running(), hang.watch(info.rank, info.world_size, rt.cfg.dist_timeout):
+        with control.running(), hang.watch(info, rt.cfg.dist_timeout):
             if pending:  # a stop signal cut the last epoch's validation short: it comes first now
                 val = run_validation(rt, state.model, val_cases, data.spec.num_classes, control)
                 if val is not None:

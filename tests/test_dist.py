@@ -167,8 +167,23 @@ def _arrivals(info: dist.DistInfo, out: Path) -> None:
     gave_up_after = time.monotonic() - began
     # Two of the three (one node's ranks, say) wait for each other alone; the third never comes.
     pair = dist.arrive("pair", wait=20.0 if info.rank == 0 else 0.0, expected=2) if info.rank < 2 else None
+    # The end notice, with ranks 0 and 1 as one node (node 0) and rank 2 as another (node 2) that ends the job.
     dist.barrier()
-    record = [everyone, arrived_at, returned_at, alone, gave_up_after, pair]
+    before = dist.read_end_notice(0)
+    dist.barrier()
+    if info.rank == 2:
+        read = None
+        posted = dist.post_end_notice(2, 2, "rank 2 ran out of memory", others=2, wait=20.0)
+        own = dist.read_end_notice(2)  # its own node's read is not counted
+    else:
+        posted, read = None, None
+        while read is None:
+            read = dist.read_end_notice(0)
+            time.sleep(0.02)
+        own = None
+    dist.barrier()
+    count = torch.distributed.distributed_c10d._get_default_store().add(dist.END_READ, 0)
+    record = [everyone, arrived_at, returned_at, alone, gave_up_after, pair, before, posted, read, own, count]
     (out / f"{info.rank}.json").write_text(json.dumps(record))
 
 
@@ -176,7 +191,11 @@ def test_arrive_waits_for_late_ranks_and_gives_up_on_absent_ones(tmp_path):
     """The exit path's rendezvous: a late rank is waited for; a rank that never comes costs the wait, not a hang."""
     spawn_ranks(_arrivals, 3, tmp_path)
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
-    everyone, _, returned_at, alone, gave_up_after, pair = results[0]
+    everyone, _, returned_at, alone, gave_up_after, pair = results[0][:6]
+    for rank, (*_, before, posted, read, own, count) in enumerate(results):
+        assert before is None and count == 2, "two reads from the other node, the poster's own not counted"
+        assert posted is (True if rank == 2 else None), "the poster returns once the other node's ranks read it"
+        assert (read if rank < 2 else own) == [2, "rank 2 ran out of memory"]
     assert everyone is True
     assert returned_at >= max(r[1] for r in results), "rank 0 returned only once the last rank had arrived"
     assert alone is False and 0.5 <= gave_up_after < 5

@@ -4,11 +4,13 @@ The end-to-end run (a rank held up for twice the timeout under launch.sh) is in 
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
 
 import pytest
+import torch
 
 from unet3d.training import dist, hang
 from unet3d.training.logs import setup_logging
@@ -67,7 +69,8 @@ def test_a_stalled_rank_logs_where_its_threads_are(tmp_path, capsys):
 
 def test_one_process_has_no_watch(alone):
     before = threading.active_count()
-    with hang.watch(rank=0, world_size=1, timeout=900.0) as watcher:
+    info = dist.DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    with hang.watch(info, timeout=900.0) as watcher:
         assert watcher is None and threading.active_count() == before
 
 
@@ -88,3 +91,30 @@ def test_a_collective_that_failed_after_the_wait_is_said_to_have(monkeypatch, tm
     monkeypatch.setattr(dist, "idle_seconds", lambda: 101.2)
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
     assert hang.describe_failure(error, 0, 100.0) is None, "alone there is no collective to time out"
+
+
+def test_a_notice_read_is_said_once_per_node_and_ends_the_watch(monkeypatch, tmp_path, capsys):
+    """EndWatch: nothing until another node's rank posts its notice; then the line (on the console from a node's
+    local rank 0, in the file from the others) and the request to this rank's agent (none here: no torchrun)."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    notices: list = [None, None, (3, "rank 3 (cuda:1) ran out of memory (...)")]
+    for local_rank in (0, 1):
+        setup_logging(4 + local_rank, tmp_path)
+        read = functools.partial(next, iter(notices))  # one answer per look, whatever the node
+        watcher = hang.EndWatch(rank=4 + local_rank, local_rank=local_rank, node=4, read=lambda node, r=read: r())
+        assert [watcher.poll(), watcher.poll()] == [False, False] and watcher.ended_by is None
+        assert watcher.poll() is True and watcher.ended_by == 3
+        line = "error: rank 3 ended the job: rank 3 (cuda:1) ran out of memory (...)"
+        assert line in (tmp_path / f"rank{4 + local_rank}.log").read_text()
+        assert (line in capsys.readouterr().out) is (local_rank == 0)
+
+
+def test_the_watches_a_job_gets(monkeypatch):
+    """One node of several ranks: the stall watch; several nodes: also the end notice's; threads end with it."""
+    monkeypatch.setattr(hang.EndWatch, "poll", lambda self: False)  # no store here: only which threads run
+    names = lambda: sorted(t.name for t in threading.enumerate() if t.name.startswith("unet3d-"))  # noqa: E731
+    for world, local, expected in ((2, 2, ["unet3d-hang-watch"]), (4, 2, ["unet3d-end-watch", "unet3d-hang-watch"])):
+        info = dist.DistInfo(rank=1, local_rank=1, world_size=world, local_world_size=local, device=torch.device("cpu"))
+        with hang.watch(info, timeout=900.0) as watcher:
+            assert isinstance(watcher, hang.HangWatch) and names() == expected
+        assert names() == []

@@ -621,3 +621,44 @@ def test_two_nodes_on_one_machine_train_and_only_global_rank_0_writes(shared, tm
     other = 1 - writers[0]
     assert (tmp_path / f"node{other}" / "logs" / "rank1.log").exists()
     assert not (tmp_path / f"node{other}" / "tensorboard").exists()
+
+
+def test_a_rank_out_of_memory_on_one_node_ends_the_other_nodes_part_too(shared, tmp_path):
+    """Two "nodes" of one rank each; node 1's rank runs out of memory (whichever global rank it is: only its
+    node has the fault variable). Its agent ends node 1; node 0, the rendezvous host, learns it from the
+    notice in the store and ends too. Before, its agent restarted its rank and waited at the rendezvous for
+    node 1 until RDZV_TIMEOUT (120 s here: the test would time out)."""
+    port = free_port()
+    address = rendezvous_address()
+    began = time.monotonic()
+    procs = []
+    for node in (0, 1):
+        env = {
+            "NNODES": "2",
+            "NODE_RANK": str(node),
+            "MASTER_ADDR": address,
+            "MASTER_PORT": str(port),
+            "RDZV_ID": f"test{port}",
+            "RDZV_TIMEOUT": "120",
+            "OMP_NUM_THREADS": "1",
+            "UNET3D_FAULT_OOM": "0:3;1:3" if node == 1 else "",
+        }
+        procs.append(
+            subprocess.Popen(
+                ["bash", "launch.sh", "cpu:1", *options(shared, tmp_path / f"node{node}", 2)],
+                cwd=REPO,
+                env={**os.environ, **env},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        )
+    results = [finish(p, timeout=100) for p in procs]
+    assert time.monotonic() - began < 100
+    assert all(rc != 0 for rc, _, _ in results), [err[-2000:] for _, _, err in results]
+    failed = re.search(r"error: rank (\d) \(cpu\) ran out of memory", results[1][1])
+    assert failed is not None, results[1][1]
+    assert f"error: rank {failed[1]} ended the job: rank {failed[1]} (cpu) ran out of memory" in results[0][1]
+    for node in (0, 1):
+        for log in (tmp_path / f"node{node}" / "logs").glob("rank*.log"):
+            assert "torchrun restart 1" not in log.read_text(), f"node {node} restarted"

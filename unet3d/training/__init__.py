@@ -11,7 +11,7 @@ train_ddp.py uses it.
     epoch          train_one_epoch: the step, and the per-step agreement between ranks
     timing         where each rank's time goes: data wait, compute, sync wait; diagnoses; the profiler
     control        that agreement (bad steps, stop signals, the time budget), StopReason, failing together
-    hang           a rank that stalls near --dist-timeout: said on the console, its threads' stacks in its log
+    hang           a rank that stalls near --dist-timeout: said, with its threads' stacks; another node's end
     validation     distributed validation, exact whatever the number of ranks
     report         rank 0's epoch line, TensorBoard, the closing words
     preflight      launch.sh's check of the data and the checkpoint before any rank starts

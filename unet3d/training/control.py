@@ -370,15 +370,24 @@ def no_room(error: OSError) -> TrainingError:
     )
 
 
+NOTICE_WAIT_S = 10.0  # how long a rank that ends a job of several nodes waits for the other nodes to read it
+
+
 def fail_alone(error: torch.cuda.OutOfMemoryError, info: dist.DistInfo) -> int:
     """This rank ran out of GPU memory: the others wait in a collective until torchrun stops them. A restart
     would run out again, so this rank ends the job itself, with advice. Returns the exit code, 1."""
     log = get_logger()
     first = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
-    log.error(
-        f"error: rank {info.rank} ({info.device}) ran out of memory ({first}); lower --batch-size or "
-        "--patch-size, or add --grad-checkpoint"
+    message = (
+        f"rank {info.rank} ({info.device}) ran out of memory ({first}); lower --batch-size or --patch-size, or add "
+        "--grad-checkpoint"
     )
+    log.error(f"error: {message}")
+    if info.world_size > info.local_world_size:  # other nodes: only a notice tells them (`hang.EndWatch`)
+        node = info.rank - info.local_rank
+        others = info.world_size - info.local_world_size  # nodes run the same number of ranks
+        if not dist.post_end_notice(info.rank, node, message, others, wait=NOTICE_WAIT_S):
+            file_only(log, f"not every rank of the other nodes read the notice within {NOTICE_WAIT_S:g} s")
     if end_job_without_restart():
         file_only(log, "asked torchrun to end the job: a restart would run out of memory again")
     return 1

@@ -9,6 +9,7 @@ the logical device cuda:i, whatever physical GPU that is.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import pickle
 import time
@@ -305,3 +306,44 @@ def arrive(key: str, wait: float = 0.0, expected: int | None = None) -> bool:
         return count >= expected
     except (RuntimeError, ValueError):  # the store's host (rank 0) has gone: nobody left to wait for
         return False
+
+
+END_NOTICE, END_READ = "unet3d/job-ended", "unet3d/job-ended-read"  # keys in the process group's store
+
+
+def post_end_notice(rank: int, node: int, message: str, others: int, wait: float) -> bool:
+    """Say through the store that rank `rank` of node `node` ends the job for good (`message`: why), then wait
+    up to `wait` seconds for the `others` ranks of the other nodes to have read it (`read_end_notice`).
+
+    For a rank that fails alone in a job of several nodes: its own agent stops its node, and nothing tells the
+    others, whose agents would restart and wait for this node at the rendezvous until it times out. Not a
+    collective; returns whether they all read it (False also when the store is unreachable).
+    """
+    if not is_dist():
+        return True
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(END_NOTICE, json.dumps({"rank": rank, "node": node, "message": message}))
+        deadline = time.monotonic() + wait
+        while store.add(END_READ, 0) < others and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return store.add(END_READ, 0) >= others
+    except (RuntimeError, ValueError):  # the store's host has gone
+        return False
+
+
+def read_end_notice(node: int) -> tuple[int, str] | None:
+    """(rank, message) of another rank's `post_end_notice`, counted as read by this rank when it posted from
+    another node than `node`; None when there is none, or no store to ask."""
+    if not is_dist():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if not store.check([END_NOTICE]):
+            return None
+        notice = json.loads(store.get(END_NOTICE))
+        if notice["node"] != node:
+            store.add(END_READ, 1)
+        return int(notice["rank"]), str(notice["message"])
+    except (RuntimeError, ValueError):
+        return None

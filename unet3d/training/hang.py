@@ -1,4 +1,4 @@
-"""Naming a hung rank, and where it hangs.
+"""Naming a hung rank, and where it hangs; ending every node's part of a job that one rank ended.
 
 When one rank stops (a deadlock, a DataLoader worker stuck on a network disk, a collective that only some
 ranks reach), the others wait in their next collective until --dist-timeout, and then fail: gloo raises,
@@ -9,6 +9,12 @@ fail, it logs where each of the process's threads is, once per stall: a rank wai
 the call it waits in, the rank holding it up shows what it is doing instead. One line per rank goes to the
 console, the stacks to the rank's log file. `describe_failure` words the error of a collective that failed
 after such a wait.
+
+In a job of several nodes, a rank that ends the job for good on its own (out of GPU memory) stops only its
+own node through its agent. So there it also posts a notice in the process group's store
+(`dist.post_end_notice`), which an `EndWatch` thread on every rank looks for every `NOTICE_EVERY` seconds:
+a rank that reads it asks its own agent to end the job too, instead of the agent restarting it and waiting
+at the rendezvous for the node that is gone until RDZV_TIMEOUT.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from unet3d.training import dist
+from unet3d.training.control import end_job_without_restart
 from unet3d.training.logs import file_only, get_logger
 
 HANG_FRACTION = 0.9  # of --dist-timeout: late enough that only a hang gets there, early enough to beat the timeout
+NOTICE_EVERY = 1.0  # seconds between two looks for another rank's notice that it ended the job
 
 
 def thread_stacks(skip: int | None = None) -> str:
@@ -100,13 +108,57 @@ class HangWatch:
             self._thread.join()
 
 
+ReadNotice = Callable[[int], "tuple[int, str] | None"]  # dist.read_end_notice's signature
+
+
+class EndWatch:
+    """While entered: a daemon thread that looks for another rank's notice that it ended the job
+    (`dist.post_end_notice`) and, once it reads one, says so and asks this rank's agent to end the job."""
+
+    def __init__(self, rank: int, local_rank: int, node: int, read: ReadNotice = dist.read_end_notice) -> None:
+        self.rank, self.local_rank, self.node = rank, local_rank, node
+        self.read = read
+        self.ended_by: int | None = None  # the rank whose notice was read
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def poll(self) -> bool:
+        """Look once; True when a notice was read (and acted on), after which there is nothing more to do."""
+        notice = self.read(self.node)
+        if notice is None:
+            return False
+        self.ended_by, message = notice
+        log = get_logger()
+        line = f"error: rank {self.ended_by} ended the job: {message}"
+        (log.error if self.local_rank == 0 else lambda m: file_only(log, m))(line)  # one line per node
+        if end_job_without_restart():
+            file_only(log, "asked torchrun to end the job: another node's rank ended it")
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(NOTICE_EVERY):
+            if self.poll():
+                return
+
+    def __enter__(self) -> EndWatch:
+        self._thread = threading.Thread(target=self._run, name="unet3d-end-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 @contextlib.contextmanager
-def watch(rank: int, world_size: int, timeout: float) -> Iterator[HangWatch | None]:
-    """A `HangWatch` for the block on several ranks; alone there is no collective to wait in, and none."""
-    if world_size < 2:
-        yield None
-        return
-    with HangWatch(rank, timeout) as watcher:
+def watch(info: dist.DistInfo, timeout: float) -> Iterator[HangWatch | None]:
+    """For the block: a `HangWatch` on several ranks, and an `EndWatch` where they span several nodes; alone
+    there is no collective to wait in, and neither."""
+    with contextlib.ExitStack() as stack:
+        watcher = stack.enter_context(HangWatch(info.rank, timeout)) if info.world_size > 1 else None
+        if info.world_size > info.local_world_size:
+            stack.enter_context(EndWatch(info.rank, info.local_rank, info.rank - info.local_rank))
         yield watcher
 
 
