@@ -167,3 +167,24 @@ def test_a_resumed_schedule_goes_on_where_it_stood_only_within_one_job(monkeypat
     changed = schedule_start(False, saved_progress=0.97, epoch_progress=0.5, epochs_changed=True)
     assert changed == 0.5, "2 of 2 epochs, now of 4"
     assert schedule_start(False, saved_progress=0.47, epoch_progress=0.5) == 0.47, "an unchanged resume"
+
+
+@pytest.mark.parametrize(
+    "rank, world, local, posted", [(1, 2, 2, []), (3, 4, 2, [(3, 2, "bad label in case_7", 2, 0.0)])]
+)
+def test_failing_together_posts_the_end_notice_only_where_there_are_other_nodes(
+    monkeypatch, rank, world, local, posted
+):
+    """A verdict that reached one node alone (rank 0's own write, say) must end the other nodes' part too: the
+    notice `hang.EndWatch` reads, posted without waiting (the ranks that reached the verdict read nothing)."""
+    import torch
+
+    from unet3d.training import dist
+
+    calls = []
+    monkeypatch.setattr(dist, "post_end_notice", lambda *args, wait: calls.append((*args, wait)) or True)
+    monkeypatch.setattr(dist, "arrive", lambda *args, **kwargs: True)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    info = dist.DistInfo(rank=rank, local_rank=1, world_size=world, local_world_size=local, device=torch.device("cpu"))
+    assert control.fail_together(ValueError("bad label in case_7"), info) == 2
+    assert calls == posted

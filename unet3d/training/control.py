@@ -355,6 +355,8 @@ def fail_together(error: Exception, info: dist.DistInfo) -> int:
     # Then every rank asks (one signal reaches the agent): a rank that only exited is a failed worker, which
     # torchrun restarts when it notices that before another rank's request (rank 0 waiting here, rank 1 gone).
     node = info.rank - info.local_rank  # ranks are numbered contiguously per node
+    if info.world_size > info.local_world_size:  # a verdict of one node's alone must still end the others
+        dist.post_end_notice(info.rank, node, str(error), info.world_size - info.local_world_size, wait=0.0)
     dist.arrive(f"failed/node{node}", wait=10.0, expected=info.local_world_size)
     if end_job_without_restart():
         file_only(log, "asked torchrun to end the job: a restart would repeat this failure")
