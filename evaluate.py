@@ -34,6 +34,7 @@ from data.geometry import obliquity
 from data.msd import load_dataset_json, run_split
 from data.nifti import load_label, records_orientation, spacing
 from data.plan import OBLIQUE_DEGREES
+from unet3d.files import out_of_room
 from unet3d.inference import postprocess
 from unet3d.inference.cases import InputCase, folder_cases, load_case_image
 from unet3d.inference.devices import choose_device
@@ -135,6 +136,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk or quota, a file-size limit: every further file would fail the same way
+        room = out_of_room(e)
+        if room is None:
+            raise
+        print(
+            f"evaluate.py: error: {room}: stopped; each file is written under a temporary name first, so those "
+            "already written are complete. Make room (disk space, quota, ulimit -f) and run it again",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def check_options(args: argparse.Namespace) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import resource
 import shutil
 
 import nibabel as nib
@@ -478,3 +479,23 @@ def test_the_device_recorded_for_a_folder_is_the_one_the_cases_are_segmented_on(
     assert evaluate.device_kind(Namespace(gpu="5,7", workers=1, device=None)) == "cuda"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("CUDA touched before a --gpu mask"))
     assert evaluate.device_kind(Namespace(gpu="5", workers=1, device=None)) == "cuda"
+
+
+def test_a_disk_that_refuses_a_file_stops_the_run_with_the_file_named(weights, tiny_dataset, tmp_path, capsys):
+    """The kernel's own refusal (RLIMIT_FSIZE: EFBIG, as a full disk gives ENOSPC) of the first probabilities
+    file: one error line naming it and exit 1, where a traceback ended the run before; no temporary file left."""
+    torch.save(weights, tmp_path / "w.pt")
+    out = tmp_path / "eval"
+    argv = ["--checkpoint", str(tmp_path / "w.pt"), "--data-dir", str(tiny_dataset), "--split", "test"]
+    argv += ["--out-dir", str(out), "--device", "cpu", "--window", "16", "--save-probabilities"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8 * 1024, hard))  # a prediction fits, its probabilities do not
+    try:
+        code = evaluate.main(argv)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capsys.readouterr().err
+    assert code == 1, err
+    npz = next(iter(sorted(out.rglob("*.nii.gz")))).with_name("synth_006.npz")
+    assert f"evaluate.py: error: [Errno 27] File too large: '{npz}': stopped;" in err, err
+    assert not [p for p in out.rglob(".*tmp*")], "the refused file's temporary copy is removed"
