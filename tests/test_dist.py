@@ -24,6 +24,12 @@ def test_read_env_torchrun(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert dist.read_env() == (5, 1, 8, 4)
+    monkeypatch.setenv("GROUP_RANK", "1")  # torchrun's node rank: 5 is the second of node 1's four
+    assert dist.read_env() == (5, 1, 8, 4)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # as torchrun --virtual-local-rank sets it on every rank
+    with pytest.raises(ValueError, match=r"RANK=5 on node GROUP_RANK=1 .* should have LOCAL_RANK=1, got 0"):
+        dist.read_env()
+    monkeypatch.delenv("GROUP_RANK")
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(ValueError, match="LOCAL_RANK='x'"):
         dist.read_env()

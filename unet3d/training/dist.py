@@ -78,6 +78,17 @@ def read_env() -> tuple[int, int, int, int]:
             f"inconsistent torchrun environment: RANK={rank} LOCAL_RANK={local_rank} "
             f"WORLD_SIZE={world_size} LOCAL_WORLD_SIZE={local_world_size}"
         )
+    # The trainer takes a node's ranks to be numbered contiguously, the same number on every node (a node's
+    # local rank 0 builds its data and cache; failures are counted per node). torchrun numbers them so, except
+    # with --virtual-local-rank, which gives every rank LOCAL_RANK=0 (and one GPU each, as its cuda:0).
+    group = _env_int("GROUP_RANK", -1)  # the node's rank, set by torchrun
+    if group >= 0 and rank - group * local_world_size != local_rank:
+        raise ValueError(
+            f"RANK={rank} on node GROUP_RANK={group} of LOCAL_WORLD_SIZE={local_world_size} rank(s) should have "
+            f"LOCAL_RANK={rank - group * local_world_size}, got {local_rank}: the ranks of a node must be numbered "
+            "contiguously, as many on every node (torchrun's --virtual-local-rank is not supported; launch.sh "
+            "masks the GPUs itself)"
+        )
     return rank, local_rank, world_size, local_world_size
 
 
