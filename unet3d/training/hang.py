@@ -147,8 +147,8 @@ class EndWatch:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is not None:  # not for ever: a look into a store whose host is unreachable may hang
+            self._thread.join(timeout=2 * NOTICE_EVERY)
 
 
 @contextlib.contextmanager
