@@ -584,34 +584,36 @@ def test_node_0_on_a_port_another_job_holds_stops_at_once(shared, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def start_two_nodes(shared: Path, tmp_path: Path, epochs: int, env: list[dict] | None = None) -> list[subprocess.Popen]:
+    """Two "nodes" of one rank each on this machine (`launch.sh cpu:1` twice, in their own sessions), each
+    training into tmp_path/node<N> with its own extra `env`. MASTER_ADDR is an address of this machine that
+    torchrun's own guess of the store's host does not match where the machine has one (`rendezvous_address`)."""
+    port = free_port()
+    common = {
+        "NNODES": "2",
+        "MASTER_ADDR": rendezvous_address(),
+        "MASTER_PORT": str(port),
+        "RDZV_ID": f"test{port}",
+        "OMP_NUM_THREADS": "1",  # two "nodes" on these two cores: each would take both (6x slower steps)
+    }
+    return [
+        subprocess.Popen(
+            ["bash", "launch.sh", "cpu:1", *options(shared, tmp_path / f"node{node}", epochs)],
+            cwd=REPO,
+            env={**os.environ, **common, "NODE_RANK": str(node), **(env[node] if env else {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]
+
+
 def test_two_nodes_on_one_machine_train_and_only_global_rank_0_writes(shared, tmp_path):
     """Two "nodes" of one rank each. MASTER_ADDR is an address of this machine that torchrun's own guess of
     the store's host does not match where the machine has one (`rendezvous_address`): with that guess every
     node was a client and the job waited for a store nobody hosted; node 0 must host it by its rank."""
-    port = free_port()
-    address = rendezvous_address()
-    procs = []
-    for node in (0, 1):
-        env = {
-            "NNODES": "2",
-            "NODE_RANK": str(node),
-            "MASTER_ADDR": address,
-            "MASTER_PORT": str(port),
-            "RDZV_ID": f"test{port}",
-            "OMP_NUM_THREADS": "1",  # two "nodes" on these two cores: each would take both (6x slower steps)
-        }
-        args = options(shared, tmp_path / f"node{node}", 1)
-        procs.append(
-            subprocess.Popen(
-                ["bash", "launch.sh", "cpu:1", *args],
-                cwd=REPO,
-                env={**os.environ, **env},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
-        )
-    results = [finish(p, timeout=180) for p in procs]
+    results = [finish(p, timeout=180) for p in start_two_nodes(shared, tmp_path, 1)]
     assert [rc for rc, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
     writers = [n for n in (0, 1) if (tmp_path / f"node{n}" / "checkpoints").exists()]
     assert len(writers) == 1, "exactly one node holds global rank 0"
@@ -628,31 +630,9 @@ def test_a_rank_out_of_memory_on_one_node_ends_the_other_nodes_part_too(shared, 
     node has the fault variable). Its agent ends node 1; node 0, the rendezvous host, learns it from the
     notice in the store and ends too. Before, its agent restarted its rank and waited at the rendezvous for
     node 1 until RDZV_TIMEOUT (120 s here: the test would time out)."""
-    port = free_port()
-    address = rendezvous_address()
     began = time.monotonic()
-    procs = []
-    for node in (0, 1):
-        env = {
-            "NNODES": "2",
-            "NODE_RANK": str(node),
-            "MASTER_ADDR": address,
-            "MASTER_PORT": str(port),
-            "RDZV_ID": f"test{port}",
-            "RDZV_TIMEOUT": "120",
-            "OMP_NUM_THREADS": "1",
-            "UNET3D_FAULT_OOM": "0:3;1:3" if node == 1 else "",
-        }
-        procs.append(
-            subprocess.Popen(
-                ["bash", "launch.sh", "cpu:1", *options(shared, tmp_path / f"node{node}", 2)],
-                cwd=REPO,
-                env={**os.environ, **env},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
-        )
+    env = [{"RDZV_TIMEOUT": "120"}, {"RDZV_TIMEOUT": "120", "UNET3D_FAULT_OOM": "0:3;1:3"}]
+    procs = start_two_nodes(shared, tmp_path, 2, env)
     results = [finish(p, timeout=100) for p in procs]
     assert time.monotonic() - began < 100
     assert all(rc != 0 for rc, _, _ in results), [err[-2000:] for _, _, err in results]

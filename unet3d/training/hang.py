@@ -26,12 +26,14 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from unet3d.training import dist
 from unet3d.training.control import end_job_without_restart
 from unet3d.training.logs import file_only, get_logger
 
 HANG_FRACTION = 0.9  # of --dist-timeout: late enough that only a hang gets there, early enough to beat the timeout
+W = TypeVar("W", bound="_Watch")
 NOTICE_EVERY = 1.0  # seconds between two looks for another rank's notice that it ended the job
 
 
@@ -52,18 +54,44 @@ def _log_path(log: logging.Logger) -> str | None:
     return files[0] if files else None
 
 
-class HangWatch:
+class _Watch:
+    """A daemon thread running `_run` while the object is entered; `_stop` is set on leaving, after which the
+    thread is waited for at most `join_timeout` seconds (None: until it ends)."""
+
+    name = "unet3d-watch"
+    join_timeout: float | None = None
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: W) -> W:
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.join_timeout)
+
+
+class HangWatch(_Watch):
     """While entered: a daemon thread that reports each stall of this rank longer than
     `HANG_FRACTION * timeout` seconds (no collective returning), once per stall."""
 
+    name = "unet3d-hang-watch"
+
     def __init__(self, rank: int, timeout: float, idle: Callable[[], float] = dist.idle_seconds) -> None:
+        super().__init__()
         self.rank, self.timeout = rank, timeout
         self.after = HANG_FRACTION * timeout
         self.idle = idle  # seconds this rank has gone without a collective returning
         self.reports = 0
         self._reported = False  # the current stall has been reported
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def poll(self) -> float:
         """Report the current stall if it is long enough and not reported yet; returns the seconds until
@@ -97,30 +125,22 @@ class HangWatch:
         while not self._stop.wait(self.poll()):
             pass
 
-    def __enter__(self) -> HangWatch:
-        self._thread = threading.Thread(target=self._run, name="unet3d-hang-watch", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
 
 ReadNotice = Callable[[int], "tuple[int, str] | None"]  # dist.read_end_notice's signature
 
 
-class EndWatch:
+class EndWatch(_Watch):
     """While entered: a daemon thread that looks for another rank's notice that it ended the job
     (`dist.post_end_notice`) and, once it reads one, says so and asks this rank's agent to end the job."""
 
+    name = "unet3d-end-watch"
+    join_timeout = 2 * NOTICE_EVERY  # not for ever: a look into a store whose host is unreachable may hang
+
     def __init__(self, rank: int, local_rank: int, node: int, read: ReadNotice = dist.read_end_notice) -> None:
+        super().__init__()
         self.rank, self.local_rank, self.node = rank, local_rank, node
         self.read = read
         self.ended_by: int | None = None  # the rank whose notice was read
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def poll(self) -> bool:
         """Look once; True when a notice was read (and acted on), after which there is nothing more to do."""
@@ -139,16 +159,6 @@ class EndWatch:
         while not self._stop.wait(NOTICE_EVERY):
             if self.poll():
                 return
-
-    def __enter__(self) -> EndWatch:
-        self._thread = threading.Thread(target=self._run, name="unet3d-end-watch", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:  # not for ever: a look into a store whose host is unreachable may hang
-            self._thread.join(timeout=2 * NOTICE_EVERY)
 
 
 @contextlib.contextmanager
