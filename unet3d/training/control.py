@@ -354,10 +354,9 @@ def fail_together(error: Exception, info: dist.DistInfo) -> int:
     # recorded the verdict (another node's ranks are its own agent's to stop, and may count restarts apart).
     # Then every rank asks (one signal reaches the agent): a rank that only exited is a failed worker, which
     # torchrun restarts when it notices that before another rank's request (rank 0 waiting here, rank 1 gone).
-    node = info.rank - info.local_rank  # ranks are numbered contiguously per node
-    if info.world_size > info.local_world_size:  # a verdict of one node's alone must still end the others
-        dist.post_end_notice(info.rank, node, str(error), info.world_size - info.local_world_size, wait=0.0)
-    dist.arrive(f"failed/node{node}", wait=10.0, expected=info.local_world_size)
+    if info.other_nodes_ranks:  # a verdict of one node's alone must still end the others
+        dist.post_end_notice(info.rank, info.node, str(error), info.other_nodes_ranks, wait=0.0)
+    dist.arrive(f"failed/node{info.node}", wait=10.0, expected=info.local_world_size)
     if end_job_without_restart():
         file_only(log, "asked torchrun to end the job: a restart would repeat this failure")
     return 1 if isinstance(error, TrainingError) else 2
@@ -385,11 +384,9 @@ def fail_alone(error: torch.cuda.OutOfMemoryError, info: dist.DistInfo) -> int:
         "--grad-checkpoint"
     )
     log.error(f"error: {message}")
-    if info.world_size > info.local_world_size:  # other nodes: only a notice tells them (`hang.EndWatch`)
-        node = info.rank - info.local_rank
-        others = info.world_size - info.local_world_size  # nodes run the same number of ranks
-        if not dist.post_end_notice(info.rank, node, message, others, wait=NOTICE_WAIT_S):
-            file_only(log, f"not every rank of the other nodes read the notice within {NOTICE_WAIT_S:g} s")
+    others = info.other_nodes_ranks  # other nodes: only a notice tells them (`hang.EndWatch`)
+    if others and not dist.post_end_notice(info.rank, info.node, message, others, wait=NOTICE_WAIT_S):
+        file_only(log, f"not every rank of the other nodes read the notice within {NOTICE_WAIT_S:g} s")
     if end_job_without_restart():
         file_only(log, "asked torchrun to end the job: a restart would run out of memory again")
     return 1

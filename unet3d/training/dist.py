@@ -57,6 +57,16 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def node(self) -> int:
+        """This node's first global rank, which names it: ranks are numbered contiguously per node (`read_env`)."""
+        return self.rank - self.local_rank
+
+    @property
+    def other_nodes_ranks(self) -> int:
+        """How many ranks the other nodes run (every node runs as many)."""
+        return self.world_size - self.local_world_size
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
@@ -238,7 +248,7 @@ def run_on_local_main(fn: Callable[[], T], info: DistInfo) -> T:
     if failures:  # every rank stops, not just the failing node's
         text = "; ".join(sorted({message for _, message, _ in failures}))
         raise _failure(failures[0][0], "a node's local rank 0 failed: " + text, failures[0][2])
-    return results[info.rank - info.local_rank][1]
+    return results[info.node][1]
 
 
 def run_on_main(fn: Callable[[], T]) -> T:
@@ -309,14 +319,20 @@ def arrive(key: str, wait: float = 0.0, expected: int | None = None) -> bool:
     key = f"unet3d/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{key}"
     try:
         store = dist.distributed_c10d._get_default_store()
-        count = store.add(key, 1)
-        deadline = time.monotonic() + wait
-        while count < expected and time.monotonic() < deadline:
-            time.sleep(0.02)
-            count = store.add(key, 0)
-        return count >= expected
+        store.add(key, 1)
+        return _count_reaches(store, key, expected, wait)
     except (RuntimeError, ValueError):  # the store's host (rank 0) has gone: nobody left to wait for
         return False
+
+
+def _count_reaches(store: dist.Store, key: str, expected: int, wait: float) -> bool:
+    """Whether the store's counter `key` reaches `expected` within `wait` seconds (looked at every 20 ms)."""
+    deadline = time.monotonic() + wait
+    count = store.add(key, 0)
+    while count < expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+        count = store.add(key, 0)
+    return count >= expected
 
 
 END_NOTICE, END_READ = "unet3d/job-ended", "unet3d/job-ended-read"  # keys in the process group's store
@@ -335,10 +351,7 @@ def post_end_notice(rank: int, node: int, message: str, others: int, wait: float
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(END_NOTICE, json.dumps({"rank": rank, "node": node, "message": message}))
-        deadline = time.monotonic() + wait
-        while store.add(END_READ, 0) < others and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return store.add(END_READ, 0) >= others
+        return _count_reaches(store, END_READ, others, wait)
     except (RuntimeError, ValueError):  # the store's host has gone
         return False
 

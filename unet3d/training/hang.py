@@ -167,8 +167,8 @@ def watch(info: dist.DistInfo, timeout: float) -> Iterator[HangWatch | None]:
     there is no collective to wait in, and neither."""
     with contextlib.ExitStack() as stack:
         watcher = stack.enter_context(HangWatch(info.rank, timeout)) if info.world_size > 1 else None
-        if info.world_size > info.local_world_size:
-            stack.enter_context(EndWatch(info.rank, info.local_rank, info.rank - info.local_rank))
+        if info.other_nodes_ranks:
+            stack.enter_context(EndWatch(info.rank, info.local_rank, info.node))
         yield watcher
 
 
